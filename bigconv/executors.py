@@ -1,0 +1,215 @@
+"""Executors: how windowed ops and global sums run, on real shards or in the driver's dry run.
+
+``ShardExecutor`` runs inside a worker. A windowed op pushes to every other shard exactly the part
+of its input that shard reads (distributed autograd's FAST mode needs every send to be consumed),
+computes the interior of its output from its own data while halos are in flight, then the border
+slabs from halos. The output is cut the same way as every tensor: balanced over the grid.
+
+``DryRunExecutor`` runs in the driver on meta tensors over the whole image. It checks every
+shard's geometry before any remote work and tells the driver what the output looks like.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import transport
+from .geometry import (
+    Box, HaloPlan, Window, all_coords, balanced_bounds, coord_of, halo_plan, index_of, intersect, local_slices,
+    shard_box,
+)
+from .sharding import UnsupportedOperation, mark
+
+
+def check_output_fits(in_shape, windows: Sequence[Window], grid, where: str) -> tuple[int, ...]:
+    out_shape = tuple(w.out_size(n) for w, n in zip(windows, in_shape))
+    for axis, (m, g) in enumerate(zip(out_shape, grid)):
+        if m < g:
+            raise UnsupportedOperation(
+                f"{where} turns spatial shape {tuple(in_shape)} into {out_shape}: {m} positions along dim {axis} "
+                f"cannot be split over {g} shards; use a grid with at most {m} shards on that axis, or a larger image"
+            )
+    return out_shape
+
+
+def pad_spec(pad: Sequence[tuple[int, int]]) -> list[int]:
+    """F.pad's argument (last dim first) for per-dim (lo, hi) padding."""
+    return [p for lo_hi in reversed(pad) for p in lo_hi]
+
+
+def nested_cat(blocks: dict[tuple[int, ...], torch.Tensor], keys: Sequence[Sequence[int]], first_dim: int):
+    """Join blocks laid out on a product of per-axis keys, last axis innermost."""
+
+    def join(prefix: tuple[int, ...], axis: int) -> torch.Tensor:
+        if axis == len(keys):
+            return blocks[prefix]
+        parts = [join(prefix + (k,), axis + 1) for k in keys[axis]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=first_dim + axis)
+
+    return join((), 0)
+
+
+def split_axis(out: tuple[int, int], inner: tuple[int, int]) -> list[tuple[str, tuple[int, int]]]:
+    """Cut an output interval into low border, interior and high border (empty parts dropped)."""
+    i0, i1 = max(inner[0], out[0]), min(inner[1], out[1])
+    if i0 >= i1:
+        return [("border", out)]
+    parts = [("border", (out[0], i0)), ("inner", (i0, i1)), ("border", (i1, out[1]))]
+    return [(kind, iv) for kind, iv in parts if iv[0] < iv[1]]
+
+
+def slab_boxes(out_box: Box, inner_box: Box) -> tuple[Box | None, list[Box], list[list[tuple[int, int]]]]:
+    """Split ``out_box`` into its interior box and border slabs that need halos.
+
+    Returns the interior (or None), the slabs, and per axis the interval keys used to join the
+    computed parts back in order.
+    """
+    inner: Box | None = None
+    slabs: list[Box] = []
+    layout: list[list[tuple[int, int]]] = []
+    for combo in itertools.product(*(split_axis(o, i) for o, i in zip(out_box, inner_box))):
+        box = tuple(iv for _, iv in combo)
+        if all(kind == "inner" for kind, _ in combo):
+            inner = box
+        else:
+            slabs.append(box)
+    for axis in range(len(out_box)):
+        layout.append([iv for _, iv in split_axis(out_box[axis], inner_box[axis])])
+    return inner, slabs, layout
+
+
+def interior_interval(w: Window, own: tuple[int, int]) -> tuple[int, int]:
+    """Outputs whose whole window lies inside ``own`` (no halo, no border padding)."""
+    a, b = own
+    lo = -((-(a + w.pad_lo)) // w.stride)
+    hi = (b + w.pad_lo - w.span) // w.stride + 1
+    return lo, max(lo, hi)
+
+
+class ShardExecutor:
+    """Runs on one worker for one forward call."""
+
+    def __init__(self, grid: tuple[int, ...], call: int) -> None:
+        self.grid = grid
+        self.call = call
+        self.rt = transport.runtime()
+        self.coord = coord_of(self.rt.index, grid)
+        self.exchanges = itertools.count()
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(b - a for a, b in shard_box(shape, self.grid, self.coord))
+
+    def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
+        out_shape = check_output_fits(shape, windows, self.grid, where)
+        key = (self.call, next(self.exchanges))
+        first = x.dim() - len(self.grid)
+        my_box = shard_box(shape, self.grid, self.coord)
+        self._push_halos(x, shape, windows, my_box, key, first)
+        plan = halo_plan(shape, self.grid, self.coord, windows)
+        inner_box = tuple(interior_interval(w, own) for w, own in zip(windows, my_box))
+        inner, slabs, layout = slab_boxes(plan.out_box, inner_box)
+        parts: dict[tuple, torch.Tensor] = {}
+        if inner is not None:  # computed while the halos are in flight
+            parts[inner] = op(self._region(inner, windows, shape, {self.coord: (x, my_box)}, first))
+        if slabs:
+            sources = self._receive_halos(plan, x, my_box, key, where)
+            for box in slabs:
+                parts[box] = op(self._region(box, windows, shape, sources, first))
+        blocks = {tuple(iv[0] for iv in box): t for box, t in parts.items()}
+        out = nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
+        return mark(out, out_shape)
+
+    def _push_halos(self, x, shape, windows, my_box: Box, key, first: int) -> None:
+        lead = (slice(None),) * first
+        for index, coord in enumerate(all_coords(self.grid)):
+            if index == self.rt.index:
+                continue
+            part = intersect(halo_plan(shape, self.grid, coord, windows).need, my_box)
+            if part is not None:
+                transport.push(index, key + (self.rt.index,), x[lead + local_slices(part, my_box)])
+
+    def _receive_halos(self, plan: HaloPlan, x, my_box: Box, key, where: str) -> dict:
+        sources = {}
+        for owner, box in plan.pieces():
+            if owner == self.coord:
+                sources[owner] = (x, my_box)
+            else:
+                src = index_of(owner, self.grid)
+                what = f"halo {key[1]} of call {key[0]} for {where}"
+                sources[owner] = (transport.take(src, key + (src,), what), box)
+        return sources
+
+    def _region(self, out_box: Box, windows, shape, sources: dict, first: int) -> torch.Tensor:
+        """The zero-padded input that ``out_box`` reads, joined from the owners' pieces."""
+        lead = (slice(None),) * first
+        want = [w.input_interval(o) for w, o in zip(windows, out_box)]
+        clipped = tuple((max(lo, 0), min(hi, n)) for (lo, hi), n in zip(want, shape))
+        pad = [(c[0] - lo, hi - c[1]) for (lo, hi), c in zip(want, clipped)]
+        blocks, keys = {}, [[] for _ in shape]
+        for owner, (tensor, origin) in sources.items():
+            owned = shard_box(shape, self.grid, owner)
+            part = intersect(clipped, owned)
+            if part is None:
+                continue
+            blocks[owner] = tensor[lead + local_slices(part, origin)]
+            for axis, c in enumerate(owner):
+                if c not in keys[axis]:
+                    keys[axis].append(c)
+        region = nested_cat(blocks, [sorted(k) for k in keys], first)
+        return F.pad(region, pad_spec(pad)) if any(p for lo_hi in pad for p in lo_hi) else region
+
+    def allsum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of every shard's ``partial``, in worker order so all replicas agree bit for bit."""
+        key = (self.call, next(self.exchanges))
+        for index in range(self.rt.workers):
+            if index != self.rt.index:
+                transport.push(index, key + (self.rt.index,), partial)
+        parts = [
+            partial if i == self.rt.index else transport.take(i, key + (i,), f"partial sum {key[1]} of call {key[0]}")
+            for i in range(self.rt.workers)
+        ]
+        return functools.reduce(torch.add, parts)
+
+
+class DryRunExecutor:
+    """The whole image at once, on meta tensors: checks geometry for every shard."""
+
+    def __init__(self, grid: tuple[int, ...]) -> None:
+        self.grid = grid
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
+        out_shape = check_output_fits(shape, windows, self.grid, where)
+        for coord in all_coords(self.grid):
+            halo_plan(shape, self.grid, coord, windows)
+        out = op(F.pad(x, pad_spec([(w.pad_lo, w.pad_hi) for w in windows])))
+        return mark(out, out_shape)
+
+    def allsum(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+
+def split_shards(x: torch.Tensor, grid: Sequence[int]) -> list[torch.Tensor]:
+    """Cut a global ``(N, C, *spatial)`` tensor into compact shards in worker order."""
+    shape = x.shape[x.dim() - len(grid):]
+    lead = (slice(None),) * (x.dim() - len(grid))
+    return [
+        x[lead + tuple(slice(a, b) for a, b in shard_box(shape, grid, c))].clone(memory_format=torch.contiguous_format)
+        for c in all_coords(grid)
+    ]
+
+
+def join_shards(shards: Sequence[torch.Tensor], grid: Sequence[int]) -> torch.Tensor:
+    """Inverse of ``split_shards``."""
+    blocks = {c: s for c, s in zip(all_coords(grid), shards)}
+    return nested_cat(blocks, [list(range(g)) for g in grid], shards[0].dim() - len(grid))
+
+
+__all__ = ["ShardExecutor", "DryRunExecutor", "split_shards", "join_shards", "balanced_bounds"]

@@ -1,0 +1,206 @@
+"""``bigconv.parallelize``: a plain ``torch.nn`` model, trained on a World, exactly.
+
+The driver validates everything it can before any remote work: module types when the model is
+parallelized; input rank, grid, image size and every layer's geometry in a dry run on meta tensors
+at the first call with a new input shape.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.nn as nn
+
+from . import losses, worker
+from .executors import DryRunExecutor, join_shards, split_shards
+from .geometry import choose_grid, shard_box, all_coords, validate_grid
+from .replica import to_payload
+from .sharding import ModulePath, ShardMode, UnsupportedOperation, global_shape, mark
+from .support import check_modules, conv_dims
+from .world import World
+
+_model_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a forward over one input shape looks like."""
+
+    grid: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...] | None
+    """Global spatial shape of a sharded output; None when the output is replicated (a head)."""
+    out_full_shape: tuple[int, ...]
+
+
+class _PickFirst(torch.autograd.Function):
+    """Worker 0's copy of a replicated output; the other copies get zero gradients.
+
+    Every replica's head must sit on the loss's graph (FAST-mode distributed autograd waits for a
+    gradient on every send), but only one copy may count.
+    """
+
+    @staticmethod
+    def forward(ctx, *copies):
+        ctx.n = len(copies)
+        return copies[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros_like(grad) for _ in range(ctx.n - 1))
+
+
+class ParallelModel:
+    """A model whose forward and training run on the workers of a ``World``."""
+
+    def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(world, World):
+            raise ValueError(f"parallelize expects a bigconv.World, got {type(world).__name__}")
+        world.check_usable()
+        check_modules(model)
+        self.world = world
+        self.grid = validate_grid(grid, world.workers) if grid is not None else None
+        self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
+        self.training = model.training
+        self._meta = copy.deepcopy(model).to("meta")
+        self._meta_path = ModulePath(self._meta)
+        self._plans: dict[tuple, Plan] = {}
+        self._calls = itertools.count(1)
+        self.id = next(_model_ids)
+        self.has_optimizer = False
+        payload = to_payload(model)
+        world.call(worker.install, [(self.id, payload)] * world.workers, "installing the model")
+
+    # -- planning (driver only, before remote work) ---------------------------------------------
+    def plan(self, x: torch.Tensor) -> Plan:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x must be a tensor of shape (N, C, *spatial), got {type(x).__name__}")
+        key = (tuple(x.shape), x.dtype, self.training)
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(x)
+        return self._plans[key]
+
+    def _make_plan(self, x: torch.Tensor) -> Plan:
+        d = self.spatial_dims
+        if d is None:
+            d = x.dim() - 2
+        if x.dim() != d + 2:
+            raise ValueError(
+                f"input has shape {tuple(x.shape)} but this model expects (N, C, *{d} spatial dims), "
+                f"i.e. {d + 2} dims; add a batch dim with x.unsqueeze(0) or check the grid"
+            )
+        shape = tuple(x.shape[2:])
+        grid = self.grid or choose_grid(shape, self.world.workers)
+        for axis, (n, g) in enumerate(zip(shape, grid)):
+            if n < g:
+                raise ValueError(
+                    f"the image has {n} positions along spatial dim {axis} but the grid {grid} cuts it into {g} "
+                    f"shards; use at most {n} shards on that axis"
+                )
+        probe = mark(torch.empty(x.shape, dtype=x.dtype, device="meta"), shape)
+        self._meta.train(self.training)
+        self._meta_path.stack.clear()
+        try:
+            with torch.no_grad(), ShardMode(DryRunExecutor(grid), self._meta_path):
+                out = self._meta(probe)
+        except UnsupportedOperation:
+            raise
+        except (RuntimeError, TypeError, IndexError) as exc:
+            raise ValueError(
+                f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
+                f"(found in a dry run, before any remote work): {exc}"
+            ) from exc
+        if not isinstance(out, torch.Tensor):
+            raise UnsupportedOperation(f"the model returns {type(out).__name__}; bigconv supports one output tensor")
+        return Plan(grid, shape, global_shape(out), tuple(out.shape))
+
+    # -- training API -----------------------------------------------------------------------------
+    def optimizer(self, cls: type, **kwargs) -> None:
+        """Create a replicated optimizer ``cls(params, **kwargs)`` on every worker."""
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
+        self.world.call(worker.make_optimizer, [(self.id, cls, kwargs)] * self.world.workers, "creating the optimizer")
+        self.has_optimizer = True
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float:
+        """One forward, backward and optimizer step on the whole batch; returns the loss."""
+        if not self.has_optimizer:
+            raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+        plan = self.plan(x)
+        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
+            y, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y)
+        args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
+        with dist_autograd.context() as ctx:
+            results = self.world.wait(self._launch(args), f"forward of step {args[0][0]}")
+            if dense:
+                loss = losses.combine(results)
+            else:
+                loss = loss_fn(self._assemble(plan, results, grad=True), y)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+            dist_autograd.backward(ctx, [loss])
+            self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {args[0][0]}")
+        return float(loss.detach())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The full output on the driver, without gradients."""
+        plan = self.plan(x)
+        args = self._shard_args(plan, x, None, None, grad=False)
+        results = self.world.wait(self._launch(args), f"inference call {args[0][0]}")
+        return self._assemble(plan, results, grad=False)
+
+    def _shard_args(self, plan: Plan, x, loss_fn, y, grad: bool) -> list[tuple]:
+        call = next(self._calls)
+        xs = split_shards(x.detach(), plan.grid)
+        ys = [None] * len(xs)
+        if y is not None:
+            lead = (slice(None),) * (y.dim() - len(plan.grid))
+            ys = [y[lead + tuple(slice(a, b) for a, b in shard_box(plan.out_shape, plan.grid, c))].clone()
+                  for c in all_coords(plan.grid)]
+        return [(call, plan.grid, plan.in_shape, xi, loss_fn, yi, grad) for xi, yi in zip(xs, ys)]
+
+    def _launch(self, args: list[tuple]) -> list:
+        import torch.distributed.rpc as rpc
+
+        self.world.check_usable()
+        return [rpc.rpc_async(name, worker.forward, args=(self.id, *a), timeout=self.world.timeout)
+                for name, a in zip(self.world.names, args)]
+
+    def _assemble(self, plan: Plan, results: list, grad: bool) -> torch.Tensor:
+        if plan.out_shape is not None:
+            return join_shards(results, plan.grid)
+        return _PickFirst.apply(*results) if grad else results[0]
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Worker 0's weights, under the single-process names (every replica holds the same)."""
+        return self.replica_state_dicts(workers=1)[0]
+
+    def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
+        """The weights of the first ``workers`` replicas (all by default), to check they agree."""
+        import torch.distributed.rpc as rpc
+
+        self.world.check_usable()
+        names = self.world.names[: workers or self.world.workers]
+        futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.timeout) for n in names]
+        return self.world.wait(futures, "reading weights")
+
+    def train(self, mode: bool = True) -> "ParallelModel":
+        self.training = mode
+        self.world.call(worker.set_training, [(self.id, mode)] * self.world.workers, "setting train mode")
+        return self
+
+    def eval(self) -> "ParallelModel":
+        return self.train(False)
+
+
+def parallelize(model: nn.Module, world: World, grid: tuple[int, ...] | None = None) -> ParallelModel:
+    """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input)."""
+    return ParallelModel(model, world, grid)

@@ -1,0 +1,91 @@
+"""A worker's copy of the model: sharded forward, gradient allreduce and optimizer step.
+
+Every worker holds the whole (small) model and a shard of the (large) image. Gradients are read
+from the driver's distributed-autograd context, **summed** over the gradient group (the loss of the
+image is the sum of shard contributions, so a replicated weight's gradient is the sum, not the
+DistributedDataParallel average), and applied by an optimizer that is replicated too, so every
+replica stays bit-for-bit equal.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+
+from . import losses, transport
+from .executors import ShardExecutor
+from .sharding import ModulePath, ShardMode, global_shape, mark
+
+try:
+    import cloudpickle
+except ImportError:  # classes must then be importable on the workers
+    cloudpickle = None
+
+
+def to_payload(model: torch.nn.Module) -> bytes:
+    # cloudpickle ships classes defined in a user's __main__ script, which workers cannot import.
+    return (cloudpickle or pickle).dumps(model)
+
+
+class Replica:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.rt = transport.runtime()
+        self.model = model.to(self.rt.device)
+        self.path = ModulePath(self.model)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @classmethod
+    def from_payload(cls, payload: bytes) -> "Replica":
+        return cls(pickle.loads(payload))
+
+    def forward(self, call: int, grid: tuple[int, ...], shape: tuple[int, ...], x: torch.Tensor,
+                loss_fn=None, target: torch.Tensor | None = None, grad: bool = True):
+        """Run this shard; return the output shard, the replicated output, or (num, den) of the loss."""
+        self.rt.mailbox.drop_calls_before(call)
+        self.path.stack.clear()
+        x = mark(x.to(self.rt.device), shape)
+        try:
+            with torch.set_grad_enabled(grad), ShardMode(ShardExecutor(grid, call), self.path):
+                out = self.model(x)
+            if loss_fn is not None:
+                num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
+                return num.cpu(), den
+            if global_shape(out) is None and self.rt.index != 0 and not grad:
+                return None  # replicated inference output: worker 0's copy is enough
+            return out.cpu()
+        finally:
+            transport.flush()
+
+    def make_optimizer(self, cls, kwargs: dict) -> None:
+        self.optimizer = cls(self.model.parameters(), **kwargs)
+
+    def step(self, context_id: int) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("no optimizer: call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+        grads = dist_autograd.get_gradients(context_id)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        present = torch.tensor([p in grads for p in params], dtype=torch.float32, device=self.rt.device)
+        dist.all_reduce(present)
+        buckets: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
+        for p in params:
+            buckets[(p.dtype, p.device)].append(p)
+        for group in buckets.values():
+            # One flat allreduce per dtype: few large messages beat many small ones.
+            flat = torch.cat([grads[p].reshape(-1) if p in grads else torch.zeros_like(p).reshape(-1) for p in group])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        for p, seen in zip(params, present.tolist()):
+            if not seen:
+                p.grad = None  # unused everywhere: skip, as a single process would
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

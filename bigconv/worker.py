@@ -1,0 +1,96 @@
+"""A worker process: joins the gradient group and RPC, then serves the driver until shutdown.
+
+The functions below ``serve`` are the RPC entry points the driver calls; they are thin wrappers
+around the worker's ``Replica`` objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from . import transport
+from .transport import WorkerRuntime, worker_name
+
+GRAD_PREFIX = "bigconv-grad"
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but this worker sees no GPU")
+    # Round-robin: several workers may share one GPU.
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, device: str, threads: int,
+          timeout: float, startup_timeout: float) -> None:
+    from .world import rpc_options
+
+    torch.set_num_threads(threads)
+    dev = pick_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=startup_timeout))
+    # The gradient group is initialised before RPC, so once the driver's init_rpc returns every
+    # worker can already allreduce.
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(GRAD_PREFIX, store),
+                            rank=rank - 1, world_size=world_size - 1, timeout=timedelta(seconds=timeout))
+    transport.set_runtime(WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout))
+    rpc.init_rpc(worker_name(rank - 1), rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc_options(addr, port, world_size - 1, timeout))
+    rpc.shutdown()  # blocks, serving, until the driver shuts down too
+    dist.destroy_process_group()
+
+
+# -- RPC entry points ------------------------------------------------------------------------------
+def install(model_id: int, payload: bytes) -> None:
+    from .replica import Replica
+
+    transport.runtime().models[model_id] = Replica.from_payload(payload)
+
+
+def replica(model_id: int):
+    return transport.runtime().models[model_id]
+
+
+def forward(model_id: int, *args):
+    return replica(model_id).forward(*args)
+
+
+def step(model_id: int, context_id: int) -> None:
+    replica(model_id).step(context_id)
+
+
+def make_optimizer(model_id: int, cls, kwargs: dict) -> None:
+    replica(model_id).make_optimizer(cls, kwargs)
+
+
+def state_dict(model_id: int) -> dict:
+    return replica(model_id).state_dict()
+
+
+def set_training(model_id: int, mode: bool) -> None:
+    replica(model_id).model.train(mode)
+
+
+def transport_stats() -> dict:
+    return dict(transport.runtime().stats)
+
+
+def main() -> None:
+    # Raised inside torch's own RPC bookkeeping, not by anything a user can change.
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    spec = json.loads(os.environ["BIGCONV_WORKER"])
+    serve(**spec)
+
+
+if __name__ == "__main__":
+    main()

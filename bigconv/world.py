@@ -1,0 +1,253 @@
+"""The runtime: a driver process plus worker processes joined by RPC and a gradient process group.
+
+Ports: the driver hosts a TCP store at ``port`` (the workers' gradient group, gloo or nccl) and the
+RPC rendezvous at ``port + 1``, so the two never share a host:port. The driver holds no shard and
+is not in the gradient group.
+
+Security: RPC runs pickled Python for whoever connects. A local world binds to 127.0.0.1; run
+cluster worlds only on a trusted network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from . import launch_env
+from .geometry import check_positive_int
+from .transport import WorkerFailure, worker_name
+
+log = logging.getLogger(__name__)
+
+DRIVER = "driver"
+
+
+def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
+    # Each worker parks one thread per forward call and receives a message from every other shard
+    # per exchange, so the pool grows with the world to never starve.
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=max(16, 2 * workers + 8), rpc_timeout=timeout, init_method=f"tcp://{addr}:{port + 1}"
+    )
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port ``p`` such that ``p`` and ``p + 1`` are both free right now."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind((host, port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
+
+
+class World:
+    """A driver (this process) and ``workers`` worker processes.
+
+    Use as a context manager: leaving it shuts RPC down, then the gradient group, also after an
+    exception. ``timeout`` bounds every wait of a step (seconds); a dead or stuck worker becomes a
+    ``WorkerFailure`` naming it.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        device: str = "cpu",
+        threads_per_worker: int | None = None,
+        timeout: float = 300.0,
+        startup_timeout: float = 180.0,
+    ) -> None:
+        check_positive_int(workers, "workers")
+        if device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.workers = workers
+        self.timeout = float(timeout)
+        self.device = device
+        self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        self.broken: str | None = None
+        self._procs: list[subprocess.Popen] = []
+        self._closed = False
+        self._store = None
+        self._start_local(startup_timeout)
+
+    # -- startup -----------------------------------------------------------------------------
+    def _start_local(self, startup_timeout: float) -> None:
+        addr = "127.0.0.1"
+        port = free_port_pair(addr)
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self._store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=startup_timeout))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        for index in range(self.workers):
+            spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=port, local_rank=index,
+                        device=self.device, threads=self.threads_per_worker, timeout=self.timeout,
+                        startup_timeout=startup_timeout)
+            env["BIGCONV_WORKER"] = json.dumps(spec)
+            self._procs.append(subprocess.Popen([sys.executable, "-c", "from bigconv.worker import main; main()"], env=env))
+        try:
+            self._init_driver_rpc(addr, port, startup_timeout)
+        except BaseException:
+            self._kill_local()
+            raise
+
+    def _init_driver_rpc(self, addr: str, port: int, startup_timeout: float) -> None:
+        errors: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                rpc.init_rpc(DRIVER, rank=0, world_size=self.workers + 1,
+                             rpc_backend_options=rpc_options(addr, port, self.workers, self.timeout))
+            except BaseException as exc:  # surfaced in the caller's thread
+                errors.append(exc)
+
+        thread = threading.Thread(target=init, daemon=True, name="bigconv-rpc-init")
+        thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while thread.is_alive():
+            thread.join(0.1)
+            dead = self.dead_workers()
+            if dead:
+                raise WorkerFailure(f"{dead[0]} exited while the world was starting; see its output above")
+            if time.monotonic() > deadline:
+                raise WorkerFailure(f"the world did not start within {startup_timeout:g}s")
+        if errors:
+            raise errors[0]
+
+    @classmethod
+    def from_env(cls, *, device: str = "auto", timeout: float = 300.0, exit_workers: bool = True,
+                 env: dict[str, str] | None = None) -> "World | None":
+        """Join a world started by torchrun, srun or jsrun.
+
+        Rank 0 returns the driver's ``World``. Every other rank serves until the driver shuts
+        down, then exits the process (or returns None with ``exit_workers=False``), so a script
+        run on every rank continues on the driver only.
+        """
+        info = launch_env.detect(env)
+        threads = max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
+        if info.rank != 0:
+            from .worker import serve
+
+            serve(rank=info.rank, world_size=info.world_size, addr=info.master_addr, port=info.master_port,
+                  local_rank=info.local_rank, device=device, threads=threads, timeout=timeout,
+                  startup_timeout=timeout)
+            if exit_workers:
+                sys.exit(0)
+            return None
+        self = cls.__new__(cls)
+        self.workers = info.world_size - 1
+        self.timeout = float(timeout)
+        self.device = device
+        self.threads_per_worker = threads
+        self.broken, self._procs, self._closed = None, [], False
+        self._store = dist.TCPStore(info.master_addr, info.master_port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=timeout))
+        rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size,
+                     rpc_backend_options=rpc_options(info.master_addr, info.master_port, self.workers, timeout))
+        return self
+
+    # -- calls ----------------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return [worker_name(i) for i in range(self.workers)]
+
+    def dead_workers(self) -> list[str]:
+        return [f"{worker_name(i)} (pid {p.pid}, exit code {p.returncode})"
+                for i, p in enumerate(self._procs) if p.poll() is not None]
+
+    def check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this World is closed; create a new one")
+        if self.broken:
+            raise WorkerFailure(f"this World is broken ({self.broken}); close it and create a new one")
+
+    def call(self, fn: Callable, args_per_worker: Sequence[tuple], what: str) -> list[Any]:
+        """Run ``fn`` on every worker (worker i gets ``args_per_worker[i]``) and wait for all."""
+        self.check_usable()
+        futures = [rpc.rpc_async(name, fn, args=args, timeout=self.timeout)
+                   for name, args in zip(self.names, args_per_worker)]
+        return self.wait(futures, what)
+
+    def wait(self, futures: Sequence, what: str) -> list[Any]:
+        """Wait for one future per worker, within the timeout, watching for dead workers."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while not all(f.done() for f in futures):
+            dead = self.dead_workers()
+            if dead:
+                self.broken = f"{dead[0]} died during {what}"
+                raise WorkerFailure(self.broken)
+            if time.monotonic() > deadline:
+                late = [n for n, f in zip(self.names, futures) if not f.done()]
+                self.broken = f"{', '.join(late)} did not finish {what} within {self.timeout:g}s"
+                raise WorkerFailure(self.broken)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        results = []
+        for name, fut in zip(self.names, futures):
+            try:
+                results.append(fut.wait())
+            except Exception as exc:
+                dead = self.dead_workers()
+                if dead:
+                    self.broken = f"{dead[0]} died during {what}"
+                    raise WorkerFailure(self.broken) from exc
+                raise WorkerFailure(f"{name} failed during {what}: {exc}") from exc
+        return results
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        healthy = not self.broken and not self.dead_workers()
+        try:
+            rpc.shutdown(graceful=healthy, timeout=self.timeout)
+        except Exception as exc:  # a failed goodbye must not hide the driver's own error
+            log.warning("RPC shutdown was not clean: %s", exc)
+        finally:
+            self._reap(grace=30.0 if healthy else 0.0)
+            self._store = None
+
+    def _reap(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_local()
+
+    def _kill_local(self) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"World(workers={self.workers}, device={self.device!r}, threads_per_worker={self.threads_per_worker})"
