@@ -6,7 +6,12 @@ around the worker's ``Replica`` objects.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import logging
+import threading
+import time
+import signal
 import os
 import warnings
 from datetime import timedelta
@@ -19,6 +24,7 @@ from . import transport
 from .transport import WorkerRuntime, worker_name
 
 GRAD_PREFIX = "bigconv-grad"
+log = logging.getLogger(__name__)
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
@@ -46,8 +52,25 @@ def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, 
     transport.set_runtime(WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout))
     rpc.init_rpc(worker_name(rank - 1), rank=rank, world_size=world_size,
                  rpc_backend_options=rpc_options(addr, port, world_size - 1, timeout))
-    rpc.shutdown()  # blocks, serving, until the driver shuts down too
+    # Serve until the driver says goodbye. Waiting inside rpc.shutdown() instead would hit its
+    # barrier timeout on any world that lives longer than rpc_timeout.
+    while not _RELEASED.wait(2.0):
+        try:
+            store.check(["alive"])  # the driver hosts the store: if it is gone, so is the world
+        except Exception:
+            log.error("%s: the driver is gone; exiting", worker_name(rank - 1))
+            os._exit(1)
+    time.sleep(0.1)  # let the reply to release() leave before the agent stops
+    rpc.shutdown(graceful=False)
     dist.destroy_process_group()
+
+
+_RELEASED = threading.Event()
+
+
+def release() -> None:
+    """The driver's goodbye: every worker leaves serve() and joins the shutdown barrier."""
+    _RELEASED.set()
 
 
 # -- RPC entry points ------------------------------------------------------------------------------
@@ -88,6 +111,8 @@ def transport_stats() -> dict:
 def main() -> None:
     # Raised inside torch's own RPC bookkeeping, not by anything a user can change.
     warnings.filterwarnings("ignore", message="You are using a Backend")
+    # `kill -USR1 <pid>` prints every thread's stack: the first thing to look at when a worker hangs.
+    faulthandler.register(signal.SIGUSR1)
     spec = json.loads(os.environ["BIGCONV_WORKER"])
     serve(**spec)
 

@@ -84,7 +84,7 @@ class World:
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.broken: str | None = None
         self._procs: list[subprocess.Popen] = []
-        self._closed = False
+        self._closed = self._closing = False
         self._store = None
         self._start_local(startup_timeout)
 
@@ -97,6 +97,8 @@ class World:
         self._store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=startup_timeout))
         env = dict(os.environ)
+        # TensorPipe logs every pipe closed at shutdown as a warning; keep workers' logs for real trouble.
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         for index in range(self.workers):
             spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=port, local_rank=index,
@@ -112,6 +114,11 @@ class World:
 
     def _init_driver_rpc(self, addr: str, port: int, startup_timeout: float) -> None:
         errors: list[BaseException] = []
+
+        # init_rpc prefixes its rendezvous keys with a per-process count of earlier inits; our
+        # workers are always fresh (count 0), so a driver that starts a second World counts from 0.
+        with rpc._init_counter_lock:
+            rpc._init_counter = 0
 
         def init() -> None:
             try:
@@ -158,7 +165,7 @@ class World:
         self.timeout = float(timeout)
         self.device = device
         self.threads_per_worker = threads
-        self.broken, self._procs, self._closed = None, [], False
+        self.broken, self._procs, self._closed, self._closing = None, [], False, False
         self._store = dist.TCPStore(info.master_addr, info.master_port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout))
         rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size,
@@ -175,7 +182,7 @@ class World:
                 for i, p in enumerate(self._procs) if p.poll() is not None]
 
     def check_usable(self) -> None:
-        if self._closed:
+        if self._closed and not self._closing:
             raise RuntimeError("this World is closed; create a new one")
         if self.broken:
             raise WorkerFailure(f"this World is broken ({self.broken}); close it and create a new one")
@@ -218,15 +225,29 @@ class World:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._closing = True
         healthy = not self.broken and not self.dead_workers()
         try:
-            rpc.shutdown(graceful=healthy, timeout=self.timeout)
+            if healthy:
+                self._release_workers()
+            # RPC's own graceful shutdown numbers its barrier rounds per process, which breaks for a
+            # driver that runs several Worlds; the release above is our barrier instead.
+            rpc.shutdown(graceful=False)
         except Exception as exc:  # a failed goodbye must not hide the driver's own error
             log.warning("RPC shutdown was not clean: %s", exc)
         finally:
             self._reap(grace=30.0 if healthy else 0.0)
             self._store = None
+            self._closing = False
+
+    def _release_workers(self) -> None:
+        from .worker import release
+
+        futures = [rpc.rpc_async(name, release, timeout=self.timeout) for name in self.names]
+        deadline = time.monotonic() + min(self.timeout, 30.0)
+        for fut in futures:
+            while not fut.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     def _reap(self, grace: float) -> None:
         deadline = time.monotonic() + grace
