@@ -124,6 +124,16 @@ class ShardExecutor:
         out = nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
         return mark(out, out_shape)
 
+    def gather_window(self, x, shape, windows) -> torch.Tensor:
+        """The exchange on its own: this shard's whole zero-padded input window, from its owners."""
+        key = (self.call, next(self.exchanges))
+        first = x.dim() - len(self.grid)
+        my_box = shard_box(shape, self.grid, self.coord)
+        self._push_halos(x, shape, windows, my_box, key, first)
+        plan = halo_plan(shape, self.grid, self.coord, windows)
+        sources = self._receive_halos(plan, x, my_box, key, "the halo exchange")
+        return self._region(plan.out_box, windows, shape, sources, first)
+
     def _push_halos(self, x, shape, windows, my_box: Box, key, first: int) -> None:
         lead = (slice(None),) * first
         for index, coord in enumerate(all_coords(self.grid)):

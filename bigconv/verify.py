@@ -1,0 +1,54 @@
+"""Train a model on a World and in one process, side by side, and measure how far they differ.
+
+This is the equivalence check the test suite runs, offered to users too: the evidence that a
+parallelized model is the single-process model, not an approximation of it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+
+from .parallel import parallelize
+from .world import World
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max-norm error of ``a`` relative to the max-norm of the reference ``b``."""
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return (a - b).abs().max().item() / max(scale, 1e-300) if b.numel() else 0.0
+
+
+def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                     grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
+                     **opt_kwargs) -> dict:
+    """Errors of the distributed forward, losses and weights after ``steps`` optimizer steps."""
+    opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    reference = copy.deepcopy(model)
+    net = parallelize(model, world, grid=grid)
+    out = net(x)
+    with torch.no_grad():
+        ref_out = reference(x)
+    net.optimizer(optimizer, **opt_kwargs)
+    ref_opt = optimizer(reference.parameters(), **opt_kwargs)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        losses.append(net.train_step(x, y, loss_fn))
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    replicas = net.replica_state_dicts()
+    ref_state = reference.state_dict()
+    return {
+        "forward": rel_err(out, ref_out),
+        "loss": max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses)),
+        "weights": max(rel_err(replicas[0][k], v) for k, v in ref_state.items()),
+        "replicas_equal": all(torch.equal(r[k], replicas[0][k]) for r in replicas for k in ref_state),
+        "keys_match": set(replicas[0]) == set(ref_state),
+        "net": net,
+    }

@@ -1,0 +1,76 @@
+"""Shared fixtures: one live World at a time, reused across tests.
+
+A process can hold only one RPC agent, and starting workers costs seconds on 2 cores, so tests
+declare the world size they need with ``@pytest.mark.world(n)``; tests are ordered by that size
+and the manager restarts the World only when the size changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bigconv
+
+WORLD_TIMEOUT_S = 60.0
+
+
+class WorldManager:
+    def __init__(self) -> None:
+        self.world: bigconv.World | None = None
+
+    def get(self, workers: int) -> bigconv.World:
+        w = self.world
+        if w is not None and (w.workers != workers or w.broken):
+            self.close()
+        if self.world is None:
+            self.world = bigconv.World(workers=workers, timeout=WORLD_TIMEOUT_S)
+        return self.world
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "world(n): the test needs a shared World of n workers")
+    config.addinivalue_line("markers", "own_world: the test starts its own World (the shared one is closed first)")
+
+
+def _order(item) -> tuple:
+    marker = item.get_closest_marker("world")
+    if item.get_closest_marker("own_world"):
+        return (2, 0)
+    return (1, marker.args[0]) if marker else (0, 0)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_order)  # stable: keeps file order within a world size
+
+
+@pytest.fixture(scope="session")
+def world_manager():
+    manager = WorldManager()
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def world(request, world_manager) -> bigconv.World:
+    marker = request.node.get_closest_marker("world")
+    if marker is None:
+        raise RuntimeError("a test using the `world` fixture needs @pytest.mark.world(n)")
+    return world_manager.get(marker.args[0])
+
+
+@pytest.fixture
+def exclusive(world_manager):
+    """For tests that start their own World: close the shared one first."""
+    world_manager.close()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,55 @@
+"""Launcher detection for World.from_env(), with fake environments (no cluster needed).
+
+A wrong parse here puts the driver on the wrong host or two processes on one rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bigconv.launch_env import detect, first_slurm_host
+
+
+def test_torchrun():
+    info = detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                   "MASTER_ADDR": "node7", "MASTER_PORT": "1234"})
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
+        ("torchrun", 3, 8, 1, 4)
+    assert (info.master_addr, info.master_port) == ("node7", 1234)
+
+
+def test_slurm_uses_first_node_of_nodelist():
+    info = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                   "SLURM_NODELIST": "gpu[003-004,9]", "SLURM_TASKS_PER_NODE": "4(x2)"})
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 5, 8, 1)
+    assert info.master_addr == "gpu003" and info.local_world_size == 4 and info.master_port == 29500
+
+
+@pytest.mark.parametrize("nodelist,first", [("login1", "login1"), ("a[1-3]", "a1"), ("n[07,9],m2", "n07")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_lsf_skips_launch_node(tmp_path):
+    rankfile = tmp_path / "ranks"
+    rankfile.write_text("batch1\nh41n01\nh41n01\nh41n02\n")
+    info = detect({"JSM_NAMESPACE_RANK": "2", "JSM_NAMESPACE_SIZE": "12", "JSM_NAMESPACE_LOCAL_RANK": "2",
+                   "JSM_NAMESPACE_LOCAL_SIZE": "6", "LSB_DJOB_RANKFILE": str(rankfile)})
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
+        ("lsf", 2, 12, 2, 6)
+    assert info.master_addr == "h41n01"
+
+
+def test_torchrun_wins_over_slurm():
+    assert detect({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}).launcher == "torchrun"
+
+
+@pytest.mark.parametrize("env,match", [
+    ({}, "found no launcher"),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "at least 2 processes"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+    ({"RANK": "4", "WORLD_SIZE": "2"}, "outside world size"),
+])
+def test_bad_environments(env, match):
+    with pytest.raises(ValueError, match=match):
+        detect(env)
