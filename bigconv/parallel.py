@@ -170,7 +170,7 @@ class ParallelModel:
         import torch.distributed.rpc as rpc
 
         self.world.check_usable()
-        return [rpc.rpc_async(name, worker.forward, args=(self.id, *a), timeout=self.world.timeout)
+        return [rpc.rpc_async(name, worker.forward, args=(self.id, *a), timeout=self.world.rpc_timeout)
                 for name, a in zip(self.world.names, args)]
 
     def _assemble(self, plan: Plan, results: list, grad: bool) -> torch.Tensor:
@@ -189,7 +189,7 @@ class ParallelModel:
 
         self.world.check_usable()
         names = self.world.names[: workers or self.world.workers]
-        futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.timeout) for n in names]
+        futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.rpc_timeout) for n in names]
         return self.world.wait(futures, "reading weights")
 
     def train(self, mode: bool = True) -> "ParallelModel":

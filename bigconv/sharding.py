@@ -116,7 +116,9 @@ class ShardMode(TorchFunctionMode):
             if isinstance(out, torch.Tensor):
                 raise self.unsupported(func, "it returns a tensor that mixes spatial positions", _FIX_GENERIC)
             return out
-        raise self.unsupported(func, "it is not a pointwise, convolution or global-pooling operation", _FIX_GENERIC)
+        name = getattr(func, "__name__", "")
+        raise self.unsupported(func, "it is not a pointwise, convolution or global-pooling operation on a spatially "
+                               "sharded tensor", _SPECIFIC_FIXES.get(name, _FIX_GENERIC))
 
     # -- helpers used by the rules -------------------------------------------------------------
     def one_shape(self, func: Callable, leaves: list) -> tuple[int, ...]:
@@ -140,6 +142,14 @@ _FIX_GENERIC = (
     "Express the model with convolutions, pointwise layers and a global pooling head, or file an issue "
     "naming this operation"
 )
+
+
+_FLATTEN_FIX = "Flatten or reshape only after global pooling (e.g. AdaptiveAvgPool2d(1))"
+_SPECIFIC_FIXES = {
+    "linear": "Apply Linear after global pooling (AdaptiveAvgPoolNd(1) + Flatten), or use a 1x1 convolution to mix "
+              "channels per position",
+    "reshape": _FLATTEN_FIX, "view": _FLATTEN_FIX, "flatten": _FLATTEN_FIX,
+}
 
 
 def _pointwise(mode: ShardMode, func, args, kwargs):

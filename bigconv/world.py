@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
 
 from . import launch_env
 from .geometry import check_positive_int
@@ -54,6 +56,21 @@ def free_port_pair(host: str = "127.0.0.1") -> int:
                     continue
         return port
     raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
+
+
+_REMOTE_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Failure|Exception|Operation)): (.+)$")
+
+
+def remote_summary(exc: BaseException) -> str:
+    """The remote exception's own one-line message, without the RPC layer's traceback dump.
+
+    The full text stays on the raised error's ``__cause__``.
+    """
+    for line in reversed(str(exc).splitlines()):
+        match = _REMOTE_ERROR_LINE.match(line.strip())
+        if match:
+            return f"{match.group(1)}: {match.group(2)}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 class World:
@@ -115,10 +132,13 @@ class World:
     def _init_driver_rpc(self, addr: str, port: int, startup_timeout: float) -> None:
         errors: list[BaseException] = []
 
-        # init_rpc prefixes its rendezvous keys with a per-process count of earlier inits; our
-        # workers are always fresh (count 0), so a driver that starts a second World counts from 0.
+        # RPC keeps per-process counters: init_rpc prefixes its rendezvous keys with a count of
+        # earlier inits, and its all-gathers number their rounds per set of worker names. Our workers
+        # are always fresh processes, so a driver that starts another World must count from zero.
         with rpc._init_counter_lock:
             rpc._init_counter = 0
+        rpc_api._all_gather_sequence_id.clear()
+        rpc_api._all_gather_sequence_id_to_states.clear()
 
         def init() -> None:
             try:
@@ -181,45 +201,63 @@ class World:
         return [f"{worker_name(i)} (pid {p.pid}, exit code {p.returncode})"
                 for i, p in enumerate(self._procs) if p.poll() is not None]
 
+    def _dead_soon(self, within: float = 2.0) -> list[str]:
+        """Dead local workers, allowing a dying one a moment to be reaped."""
+        deadline = time.monotonic() + (within if self._procs else 0.0)
+        while True:
+            dead = self.dead_workers()
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
     def check_usable(self) -> None:
         if self._closed and not self._closing:
             raise RuntimeError("this World is closed; create a new one")
         if self.broken:
             raise WorkerFailure(f"this World is broken ({self.broken}); close it and create a new one")
 
+    @property
+    def rpc_timeout(self) -> float:
+        """The RPC layer's own limit: longer than ours, so our diagnosis (which worker) comes first."""
+        return 2 * self.timeout + 10
+
     def call(self, fn: Callable, args_per_worker: Sequence[tuple], what: str) -> list[Any]:
         """Run ``fn`` on every worker (worker i gets ``args_per_worker[i]``) and wait for all."""
         self.check_usable()
-        futures = [rpc.rpc_async(name, fn, args=args, timeout=self.timeout)
+        futures = [rpc.rpc_async(name, fn, args=args, timeout=self.rpc_timeout)
                    for name, args in zip(self.names, args_per_worker)]
         return self.wait(futures, what)
 
     def wait(self, futures: Sequence, what: str) -> list[Any]:
-        """Wait for one future per worker, within the timeout, watching for dead workers."""
+        """Wait for one future per worker within the timeout; raise naming a dead, failed or late worker."""
         deadline = time.monotonic() + self.timeout
         pause = 0.0005
-        while not all(f.done() for f in futures):
+        while True:
             dead = self.dead_workers()
             if dead:
                 self.broken = f"{dead[0]} died during {what}"
                 raise WorkerFailure(self.broken)
+            for name, fut in zip(self.names, futures):
+                if fut.done():
+                    try:
+                        fut.wait()
+                    except Exception as exc:
+                        dead = self._dead_soon()
+                        if dead:  # a broken pipe is usually a dead process; say which
+                            self.broken = f"{dead[0]} died during {what}"
+                            raise WorkerFailure(self.broken) from exc
+                        message = f"{name} failed during {what}: {remote_summary(exc)}"
+                        if isinstance(exc, WorkerFailure) or "timed out" in str(exc) or "timeout" in str(exc):
+                            self.broken = message
+                        raise WorkerFailure(message) from exc
+            if all(f.done() for f in futures):
+                return [f.wait() for f in futures]
             if time.monotonic() > deadline:
                 late = [n for n, f in zip(self.names, futures) if not f.done()]
                 self.broken = f"{', '.join(late)} did not finish {what} within {self.timeout:g}s"
                 raise WorkerFailure(self.broken)
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        results = []
-        for name, fut in zip(self.names, futures):
-            try:
-                results.append(fut.wait())
-            except Exception as exc:
-                dead = self.dead_workers()
-                if dead:
-                    self.broken = f"{dead[0]} died during {what}"
-                    raise WorkerFailure(self.broken) from exc
-                raise WorkerFailure(f"{name} failed during {what}: {exc}") from exc
-        return results
+            pause = min(pause * 2, 0.02)
 
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -243,7 +281,7 @@ class World:
     def _release_workers(self) -> None:
         from .worker import release
 
-        futures = [rpc.rpc_async(name, release, timeout=self.timeout) for name in self.names]
+        futures = [rpc.rpc_async(name, release, timeout=self.rpc_timeout) for name in self.names]
         deadline = time.monotonic() + min(self.timeout, 30.0)
         for fut in futures:
             while not fut.done() and time.monotonic() < deadline:

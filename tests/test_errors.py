@@ -1,0 +1,116 @@
+"""Bad input gets a clear ValueError before any RPC traffic, naming the problem and the fix.
+
+Every check here runs with ``rpc.rpc_async`` counted: a failure that leaked to the workers first
+would show up as remote calls, or as a confusing remote traceback instead of the message matched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+
+import bigconv
+from bigconv.models import CNN1D, CNN2D
+
+
+@pytest.fixture
+def rpc_calls(monkeypatch):
+    calls = []
+    real = rpc.rpc_async
+
+    def counting(*args, **kwargs):
+        calls.append(args[:2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rpc, "rpc_async", counting)
+    return calls
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("model,grid,match", [
+    (lambda: CNN2D(), (2, 3), "product is 4"),
+    (lambda: CNN2D(), (2, 2.5), "positive integer"),
+    (lambda: CNN2D(), (-2, -2), "positive integer"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxPool2d(2)), (2, 2), r"'1' \(MaxPool2d\) is not supported"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), (2, 2), r"'1' \(BatchNorm2d\)"),
+    (lambda: nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect"), (2, 2), "padding_mode='reflect'"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Conv1d(2, 2, 3)), None, "mixes convolutions"),
+    (lambda: "not a model", (2, 2), "expects a torch.nn.Module"),
+])
+def test_parallelize_rejects(world, rpc_calls, model, grid, match):
+    with pytest.raises(ValueError, match=match):
+        bigconv.parallelize(model(), world, grid=grid)
+    assert rpc_calls == []
+
+
+class SpatialLinear(nn.Module):
+    """A Linear applied along the width axis: cannot be split by rows of the image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.mix(self.conv(x)).mean(dim=(2, 3))
+
+
+class RowFlatten(nn.Module):
+    def forward(self, x):
+        return x.reshape(x.shape[0], -1)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("model,grid,shape,match", [
+    (lambda: CNN2D(), (2, 2), (1, 1, 16), r"expects \(N, C, \*2 spatial dims\)"),
+    (lambda: CNN2D(), (2, 2), (1, 1, 8, 8, 8), r"expects \(N, C, \*2 spatial dims\)"),
+    (lambda: CNN1D(), (2, 2), (1, 1, 16), r"expects \(N, C, \*2 spatial dims\)"),
+    (lambda: CNN2D(in_channels=3), (2, 2), (1, 1, 8, 8), "cannot run on an input of shape"),
+    (lambda: CNN2D(), (4, 1), (1, 1, 3, 8), "use at most 3 shards on that axis"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 1, 5, stride=4), nn.AdaptiveAvgPool2d(1)), (4, 1), (1, 1, 9, 9),
+     r"'0' \(Conv2d\) turns spatial shape \(9, 9\) into \(2, 2\)"),
+    (SpatialLinear, (2, 2), (1, 1, 8, 8), r"linear in module 'mix' \(Linear\)"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), RowFlatten(), nn.Linear(72, 2)), (2, 2), (1, 1, 8, 8),
+     r"reshape in module '1' \(RowFlatten\)"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Dropout(0.5), nn.AdaptiveAvgPool2d(1)), (2, 2), (1, 1, 8, 8),
+     r"dropout in module '1' \(Dropout\).*net.eval\(\)"),
+])
+def test_first_call_rejects_before_remote_work(world, rpc_calls, model, grid, shape, match):
+    net = bigconv.parallelize(model(), world, grid=grid)
+    rpc_calls.clear()  # installing the model is the only remote work allowed so far
+    with pytest.raises(ValueError, match=match):
+        net(torch.randn(shape))
+    net.optimizer(torch.optim.SGD, lr=0.1)
+    rpc_calls.clear()
+    with pytest.raises(ValueError, match=match):
+        net.train_step(torch.randn(shape), torch.zeros(shape[0], dtype=torch.long), nn.CrossEntropyLoss())
+    assert rpc_calls == []
+
+
+@pytest.mark.world(4)
+def test_train_step_needs_optimizer(world, rpc_calls):
+    net = bigconv.parallelize(CNN2D(), world, grid=(2, 2))
+    rpc_calls.clear()
+    with pytest.raises(ValueError, match=r"net.optimizer\(torch.optim.SGD"):
+        net.train_step(torch.randn(1, 1, 8, 8), torch.tensor([0]), nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match="torch.optim.Optimizer class"):
+        net.optimizer("sgd")
+    assert rpc_calls == []
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"workers": 0}, "positive integer"), ({"workers": -3}, "positive integer"), ({"workers": 2.5}, "positive integer"),
+    ({"workers": "4"}, "positive integer"), ({"workers": 2, "device": "tpu"}, "device must be"),
+    ({"workers": 2, "timeout": 0}, "timeout must be"),
+])
+def test_world_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bigconv.World(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"width": 0}, {"depth": -1}, {"num_classes": 2.0}, {"kernel_size": True}])
+def test_models_reject_bad_sizes(kwargs):
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        CNN2D(**kwargs)

@@ -1,0 +1,75 @@
+"""A dead or stuck worker makes the driver raise within a bounded time, naming the worker.
+
+Each test starts its own small World (the shared one is closed first) because the failure
+leaves the world broken. The hard pytest timeout is the guard against the hang being tested for.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import bigconv
+from bigconv import transport
+
+
+class Sabotage(nn.Module):
+    """Identity, except on one worker from a given forward call on, where it dies or stalls."""
+
+    def __init__(self, victim: int, action: str, from_call: int) -> None:
+        super().__init__()
+        self.victim, self.action, self.from_call, self.calls = victim, action, from_call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        rt = transport._RUNTIME
+        if rt is not None and rt.index == self.victim and self.calls >= self.from_call:
+            if self.action == "die":
+                os._exit(7)
+            time.sleep(3600)
+        return x
+
+
+def _model(action: str) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), Sabotage(1, action, from_call=2),
+                         nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 2))
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("action,timeout,bound,match", [
+    ("die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during forward of step"),
+    ("stall", 4.0, 30.0, r"worker1.*within 4s|worker1.*timed out"),
+])
+def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound, match):
+    x, y = torch.randn(1, 1, 8, 8), torch.tensor([1])
+    started = time.monotonic()
+    with pytest.raises(bigconv.WorkerFailure, match=match):
+        with bigconv.World(workers=2, timeout=timeout) as world:
+            net = bigconv.parallelize(_model(action), world, grid=(2, 1))
+            net.optimizer(torch.optim.SGD, lr=0.1)
+            net.train_step(x, y, nn.CrossEntropyLoss())  # call 1: healthy
+            t0 = time.monotonic()
+            try:
+                net.train_step(x, y, nn.CrossEntropyLoss())
+            finally:
+                assert time.monotonic() - t0 < bound, "the failure took too long to surface"
+    # Leaving the context shut the broken world down without hanging, and a new one starts.
+    assert time.monotonic() - started < 2 * bound + 30
+    with bigconv.World(workers=1, timeout=30) as world:
+        net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 1, 3), nn.AdaptiveAvgPool2d(1)), world)
+        assert net(x).shape == (1, 1, 1, 1)
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(60)
+def test_world_shuts_down_after_driver_exception(exclusive):
+    with pytest.raises(KeyError):
+        with bigconv.World(workers=2, timeout=30) as world:
+            procs = list(world._procs)
+            raise KeyError("driver bug")
+    assert all(p.poll() is not None for p in procs), "workers outlived their World"
