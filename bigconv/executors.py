@@ -26,6 +26,25 @@ from .geometry import (
 from .sharding import UnsupportedOperation, mark
 
 
+class _AddInto(torch.autograd.Function):
+    """``out[index] += delta`` in place, whose backward passes ``out``'s gradient through untouched.
+
+    Autograd's own in-place-on-a-view path (CopySlices) clones the whole gradient for every slab;
+    an addition does not change the gradient, so no copy is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, out, delta, index):
+        ctx.index = index
+        out[index] += delta
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad[ctx.index], None
+
+
 def check_output_fits(in_shape, windows: Sequence[Window], grid, where: str) -> tuple[int, ...]:
     out_shape = tuple(w.out_size(n) for w, n in zip(windows, in_shape))
     for axis, (m, g) in enumerate(zip(out_shape, grid)):
@@ -83,6 +102,21 @@ def slab_boxes(out_box: Box, inner_box: Box) -> tuple[Box | None, list[Box], lis
     return inner, slabs, layout
 
 
+def own_padding(windows: Sequence[Window], my_box: Box, out_box: Box) -> list[tuple[int, int]] | None:
+    """Per dim, the symmetric padding that lets a plain convolution of this shard alone produce its
+    output box, and where that box starts in the result; None if the shard has rows it must skip.
+    """
+    own = []
+    for w, (a, b), out in zip(windows, my_box, out_box):
+        lo, hi = w.input_interval(out)
+        lo_pad, hi_pad = a - lo, hi - b
+        if lo_pad < 0 or hi_pad < 0:
+            return None
+        pad = lo_pad + w.stride * -(-max(0, hi_pad - lo_pad) // w.stride)  # keeps outputs on the stride
+        own.append((pad, (pad - lo_pad) // w.stride))
+    return own
+
+
 def interior_interval(w: Window, own: tuple[int, int]) -> tuple[int, int]:
     """Outputs whose whole window lies inside ``own`` (no halo, no border padding)."""
     a, b = own
@@ -111,6 +145,36 @@ class ShardExecutor:
         my_box = shard_box(shape, self.grid, self.coord)
         self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
+        own = own_padding(windows, my_box, plan.out_box)
+        if own is None:
+            out = self._by_slabs(x, shape, windows, op, plan, my_box, key, first, where)
+        else:
+            out = self._own_plus_halos(x, shape, windows, op, plan, my_box, own, key, first, where)
+        return mark(out, out_shape)
+
+    def _own_plus_halos(self, x, shape, windows, op, plan: HaloPlan, my_box: Box, own, key, first, where):
+        """Convolution is linear: conv(own data, zero-extended) + conv(halos only, no bias).
+
+        The first term is the whole output, computed straight from the shard while halos are in
+        flight, with no copy of the input (so memory matches a single process); halos then add
+        their contribution to the border slabs in place.
+        """
+        lead = (slice(None),) * first
+        full = op(x, padding=tuple(p for p, _ in own))
+        out = full[lead + tuple(slice(j0, j0 + b - a) for (_, j0), (a, b) in zip(own, plan.out_box))]
+        # Outputs at the global border read only zero padding beyond it: nothing to add there.
+        reach = tuple((a if a > 0 else -(10**18), b if b < n else 10**18) for (a, b), n in zip(my_box, shape))
+        inner_box = tuple(interior_interval(w, r) for w, r in zip(windows, reach))
+        _, slabs, _ = slab_boxes(plan.out_box, inner_box)
+        if slabs:
+            sources = self._receive_halos(plan, x, my_box, key, where)
+            for box in slabs:
+                delta = op(self._region(box, windows, shape, sources, first, own_as_zeros=True), bias=False)
+                out = _AddInto.apply(out, delta, lead + local_slices(box, plan.out_box))
+        return out
+
+    def _by_slabs(self, x, shape, windows, op, plan: HaloPlan, my_box: Box, key, first, where):
+        """General fallback (a shard whose outputs skip some of its own rows): interior + border slabs."""
         inner_box = tuple(interior_interval(w, own) for w, own in zip(windows, my_box))
         inner, slabs, layout = slab_boxes(plan.out_box, inner_box)
         parts: dict[tuple, torch.Tensor] = {}
@@ -121,8 +185,7 @@ class ShardExecutor:
             for box in slabs:
                 parts[box] = op(self._region(box, windows, shape, sources, first))
         blocks = {tuple(iv[0] for iv in box): t for box, t in parts.items()}
-        out = nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
-        return mark(out, out_shape)
+        return nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
 
     def gather_window(self, x, shape, windows) -> torch.Tensor:
         """The exchange on its own: this shard's whole zero-padded input window, from its owners."""
@@ -154,8 +217,11 @@ class ShardExecutor:
                 sources[owner] = (transport.take(src, key + (src,), what), box)
         return sources
 
-    def _region(self, out_box: Box, windows, shape, sources: dict, first: int) -> torch.Tensor:
-        """The zero-padded input that ``out_box`` reads, joined from the owners' pieces."""
+    def _region(self, out_box: Box, windows, shape, sources: dict, first: int, own_as_zeros: bool = False):
+        """The zero-padded input that ``out_box`` reads, joined from the owners' pieces.
+
+        With ``own_as_zeros`` this shard's own part is zeros: the halos' contribution alone.
+        """
         lead = (slice(None),) * first
         want = [w.input_interval(o) for w, o in zip(windows, out_box)]
         clipped = tuple((max(lo, 0), min(hi, n)) for (lo, hi), n in zip(want, shape))
@@ -166,7 +232,8 @@ class ShardExecutor:
             part = intersect(clipped, owned)
             if part is None:
                 continue
-            blocks[owner] = tensor[lead + local_slices(part, origin)]
+            piece = tensor[lead + local_slices(part, origin)]
+            blocks[owner] = torch.zeros_like(piece) if own_as_zeros and owner == self.coord else piece
             for axis, c in enumerate(owner):
                 if c not in keys[axis]:
                     keys[axis].append(c)

@@ -279,8 +279,8 @@ def _conv(mode: ShardMode, func, args, kwargs):
     if len(windows) != mode.dims:
         raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid", "Use a grid with one axis per spatial dim.")
 
-    def op(region: torch.Tensor) -> torch.Tensor:
-        return func(region, weight, b.get("bias"), stride, 0, dilation, groups)
+    def op(region: torch.Tensor, padding=0, bias: bool = True) -> torch.Tensor:
+        return func(region, weight, b.get("bias") if bias else None, stride, padding, dilation, groups)
 
     return mode.executor.windowed(x, shape, windows, op, mode.where())
 

@@ -65,7 +65,7 @@ class WorkerRuntime:
     mailbox: Mailbox = field(default_factory=Mailbox)
     pending: list = field(default_factory=list)
     models: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "wait_s": 0.0})
+    stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0})
 
 
 _RUNTIME: WorkerRuntime | None = None
@@ -102,6 +102,7 @@ def take(src: int, key: Hashable, describe: str) -> torch.Tensor:
     start = time.perf_counter()
     tensor = rt.mailbox.take(key, rt.timeout, f"{describe} from {worker_name(src)} (on {worker_name(rt.index)})")
     rt.stats["wait_s"] += time.perf_counter() - start
+    rt.stats["recv_bytes"] += tensor.numel() * tensor.element_size()
     return tensor.to(rt.device)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from . import transport
+from .memory import PeakMeter
 from .transport import WorkerRuntime, worker_name
 
 GRAD_PREFIX = "bigconv-grad"
@@ -50,6 +51,8 @@ def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, 
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(GRAD_PREFIX, store),
                             rank=rank - 1, world_size=world_size - 1, timeout=timedelta(seconds=timeout))
     transport.set_runtime(WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout))
+    global _METER
+    _METER = PeakMeter(dev)  # the idle baseline: imports, RPC and the process group, no model yet
     rpc.init_rpc(worker_name(rank - 1), rank=rank, world_size=world_size,
                  rpc_backend_options=rpc_options(addr, port, world_size - 1, timeout))
     # Serve until the driver says goodbye. Waiting inside rpc.shutdown() instead would hit its
@@ -106,6 +109,21 @@ def set_training(model_id: int, mode: bool) -> None:
 
 def transport_stats() -> dict:
     return dict(transport.runtime().stats)
+
+
+_METER: PeakMeter | None = None
+
+
+def reset_memory() -> None:
+    """Start a new peak from what this worker holds now (e.g. after a warm-up step)."""
+    _METER.reset()
+
+
+def memory() -> dict:
+    """This worker's peak memory above its idle baseline, with the device and sources used."""
+    record = _METER.read()
+    record["device"] = str(transport.runtime().device)
+    return record
 
 
 def main() -> None:

@@ -247,6 +247,9 @@ class World:
                             self.broken = f"{dead[0]} died during {what}"
                             raise WorkerFailure(self.broken) from exc
                         message = f"{name} failed during {what}: {remote_summary(exc)}"
+                        late = [n for n, f in zip(self.names, futures) if not f.done()]
+                        if late:  # the others are probably waiting on the ones still busy
+                            message = f"{', '.join(late)} did not finish {what} ({message})"
                         if isinstance(exc, WorkerFailure) or "timed out" in str(exc) or "timeout" in str(exc):
                             self.broken = message
                         raise WorkerFailure(message) from exc
