@@ -26,6 +26,26 @@ from .geometry import (
 from .sharding import UnsupportedOperation, mark
 
 
+class _Pieces(torch.autograd.Function):
+    """Compact copies of several regions of ``x``, with one gradient buffer for all of them.
+
+    Plain slicing would give each region its own full-size zero gradient in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, *indices):
+        ctx.indices, ctx.shape = indices, x.shape
+        return tuple(x[index].clone(memory_format=torch.contiguous_format) for index in indices)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad_x = grads[0].new_zeros(ctx.shape)
+        for index, grad in zip(ctx.indices, grads):
+            if grad is not None:
+                grad_x[index] += grad
+        return (grad_x,) + (None,) * len(ctx.indices)
+
+
 class _AddInto(torch.autograd.Function):
     """``out[index] += delta`` in place, whose backward passes ``out``'s gradient through untouched.
 
@@ -160,8 +180,10 @@ class ShardExecutor:
         their contribution to the border slabs in place.
         """
         lead = (slice(None),) * first
-        full = op(x, padding=tuple(p for p, _ in own))
-        out = full[lead + tuple(slice(j0, j0 + b - a) for (_, j0), (a, b) in zip(own, plan.out_box))]
+        out = op(x, padding=tuple(p for p, _ in own))
+        for dim, ((_, j0), (a, b)) in enumerate(zip(own, plan.out_box), start=first):
+            if j0 != 0 or out.shape[dim] != b - a:  # a no-op slice would still cost a full gradient copy
+                out = out.narrow(dim, j0, b - a)
         # Outputs at the global border read only zero padding beyond it: nothing to add there.
         reach = tuple((a if a > 0 else -(10**18), b if b < n else 10**18) for (a, b), n in zip(my_box, shape))
         inner_box = tuple(interior_interval(w, r) for w, r in zip(windows, reach))
@@ -199,12 +221,17 @@ class ShardExecutor:
 
     def _push_halos(self, x, shape, windows, my_box: Box, key, first: int) -> None:
         lead = (slice(None),) * first
+        targets, indices = [], []
         for index, coord in enumerate(all_coords(self.grid)):
             if index == self.rt.index:
                 continue
             part = intersect(halo_plan(shape, self.grid, coord, windows).need, my_box)
             if part is not None:
-                transport.push(index, key + (self.rt.index,), x[lead + local_slices(part, my_box)])
+                targets.append(index)
+                indices.append(lead + local_slices(part, my_box))
+        if targets:
+            for index, piece in zip(targets, _Pieces.apply(x, *indices)):
+                transport.push(index, key + (self.rt.index,), piece)
 
     def _receive_halos(self, plan: HaloPlan, x, my_box: Box, key, where: str) -> dict:
         sources = {}

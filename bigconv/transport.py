@@ -91,7 +91,9 @@ def push(dst: int, key: Hashable, tensor: torch.Tensor) -> None:
     rt = runtime()
     # RPC pickles a view's whole storage, and halo transport stays on the host (CUDA tensors over
     # RPC with distributed autograd are beta upstream), so send a compact CPU copy.
-    payload = tensor.to("cpu", copy=True, memory_format=torch.contiguous_format)
+    payload = tensor.to("cpu")
+    if payload._base is not None or not payload.is_contiguous():
+        payload = payload.clone(memory_format=torch.contiguous_format)
     rt.stats["messages"] += 1
     rt.stats["bytes"] += payload.numel() * payload.element_size()
     rt.pending.append((dst, rpc.rpc_async(worker_name(dst), _deliver, args=(key, payload), timeout=rt.timeout)))

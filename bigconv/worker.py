@@ -115,8 +115,11 @@ _METER: PeakMeter | None = None
 
 
 def reset_memory() -> None:
-    """Start a new peak from what this worker holds now (e.g. after a warm-up step)."""
+    """Start a new peak, and new traffic counts, from what this worker holds now (e.g. after a warm-up)."""
     _METER.reset()
+    stats = transport.runtime().stats
+    for key in stats:
+        stats[key] = type(stats[key])()
 
 
 def memory() -> dict:

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 
 DRIVER = "driver"
 
+# A worker runs each forward on whichever RPC thread is free and its backward on autograd's threads;
+# glibc then keeps freed activations in per-thread arenas (and raises its mmap threshold after the
+# first large free), so resident memory grew to several times the live tensors in our measurements.
+# A fixed threshold returns every large tensor to the OS when it is freed. Users may override it.
+WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
 
 def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
     # Each worker parks one thread per forward call and receives a message from every other shard
@@ -78,7 +84,8 @@ class World:
 
     Use as a context manager: leaving it shuts RPC down, then the gradient group, also after an
     exception. ``timeout`` bounds every wait of a step (seconds); a dead or stuck worker becomes a
-    ``WorkerFailure`` naming it.
+    ``WorkerFailure`` naming it. ``worker_env`` adds environment variables for the workers (default:
+    ``WORKER_MALLOC_ENV``; variables already set in this process win).
     """
 
     def __init__(
@@ -89,6 +96,7 @@ class World:
         threads_per_worker: int | None = None,
         timeout: float = 300.0,
         startup_timeout: float = 180.0,
+        worker_env: dict[str, str] | None = None,
     ) -> None:
         check_positive_int(workers, "workers")
         if device not in ("cpu", "cuda", "auto"):
@@ -103,6 +111,7 @@ class World:
         self._procs: list[subprocess.Popen] = []
         self._closed = self._closing = False
         self._store = None
+        self.worker_env = dict(WORKER_MALLOC_ENV if worker_env is None else worker_env)
         self._start_local(startup_timeout)
 
     # -- startup -----------------------------------------------------------------------------
@@ -116,7 +125,11 @@ class World:
         env = dict(os.environ)
         # TensorPipe logs every pipe closed at shutdown as a warning; keep workers' logs for real trouble.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.update({k: v for k, v in self.worker_env.items() if k not in os.environ})
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        # torch.set_num_threads only binds the calling thread's OpenMP pool; RPC and autograd threads
+        # would otherwise start one OpenMP thread per core each and oversubscribe a shared host.
+        env.setdefault("OMP_NUM_THREADS", str(self.threads_per_worker))
         for index in range(self.workers):
             spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=port, local_rank=index,
                         device=self.device, threads=self.threads_per_worker, timeout=self.timeout,

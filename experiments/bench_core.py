@@ -1,0 +1,104 @@
+"""Core benchmark: per-worker peak memory against a plain single process, step time, overhead.
+
+    python -m experiments.bench_core                       # CNN2D at 2048^2, the README table
+    python -m experiments.bench_core --size 512 --quick    # a quick look
+
+Memory: CNN2D, batch 1, float32, on 1, 2 and 4 workers, each configuration in a fresh World (CPU:
+peak RSS above the resident set after a warm-up step on a tiny image; GPU: the CUDA allocator's
+peak), against the same model trained plainly in a fresh process under the same protocol.
+Target: per-worker peak <= 1.15 * (single / N) + halo, where halo is the bytes a worker received
+per step.
+
+Time: the best of ``--steps`` steps with 2 workers of 1 thread each, and 1 worker of 1 thread,
+against plain PyTorch with 1 thread. Targets: speedup >= 1.6 (stretch 1.8); overhead <= 1.15.
+
+Prints a markdown table and appends one JSON line per measurement to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+
+import bigconv
+from bigconv.world import WORKER_MALLOC_ENV
+from experiments.workload import Workload, environment, plain_in_fresh_process, train_distributed
+
+MiB = 2**20
+
+
+def append(path: str, record: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def memory_rows(w: Workload, workers: list[int], single: dict, out: str, base: dict) -> list[str]:
+    rows = []
+    for n in workers:
+        with bigconv.World(workers=n, threads_per_worker=max(1, (os.cpu_count() or 1) // n)) as world:
+            r = train_distributed(w, world)
+        peaks = [m["peak_bytes"] for m in r["per_worker"]]
+        halo = max(m["recv_bytes"] for m in r["per_worker"]) / (w.steps + 1)
+        bound = 1.15 * single["peak_bytes"] / n + halo
+        record = {**base, "kind": "memory", "workers": n, "grid": r["grid"], "per_worker": r["per_worker"],
+                  "peak_bytes_max": max(peaks), "single_peak_bytes": single["peak_bytes"],
+                  "halo_bytes_per_step": halo, "target_bytes": bound, "meets_target": max(peaks) <= bound,
+                  "single_over_n_peak": single["peak_bytes"] / (n * max(peaks))}
+        append(out, record)
+        rows.append(f"| {n} | {tuple(r['grid'])} | {max(peaks) / MiB:.1f} | {single['peak_bytes'] / n / MiB:.1f} | "
+                    f"{halo / MiB:.2f} | {bound / MiB:.1f} | {'yes' if record['meets_target'] else 'NO'} |")
+    return rows
+
+
+def time_rows(w: Workload, single: dict, out: str, base: dict) -> list[str]:
+    rows = [f"| plain PyTorch, 1 thread | {single['step_s']:.3f} | 1.00 |"]
+    for n, label in ((1, "1 worker x 1 thread (overhead)"), (2, "2 workers x 1 thread (speedup)")):
+        with bigconv.World(workers=n, threads_per_worker=1) as world:
+            r = train_distributed(w, world)
+        ratio = single["step_s"] / r["step_s"]
+        append(out, {**base, "kind": "time", "workers": n, "threads_per_worker": 1, "grid": r["grid"],
+                     "step_s": r["step_s"], "single_step_s": single["step_s"], "speedup": ratio})
+        rows.append(f"| {label} | {r['step_s']:.3f} | {ratio:.2f} |")
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=2048)
+    parser.add_argument("--workers", default="1,2,4", help="worker counts for the memory table")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up step")
+    parser.add_argument("--out", default="results/bench_core.jsonl")
+    parser.add_argument("--skip-time", action="store_true", help="memory table only")
+    args = parser.parse_args(argv)
+    # The plain baseline runs under the same allocator settings as the workers, so they compare fairly.
+    for key, value in WORKER_MALLOC_ENV.items():
+        os.environ.setdefault(key, value)
+    w = Workload(model="cnn2d", size=args.size, steps=args.steps)
+    base = {"bench": "core", "workload": asdict(w), "env": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "malloc_env": {k: os.environ.get(k) for k in WORKER_MALLOC_ENV}}
+    print(f"CNN2D {w.size}x{w.size}, batch {w.batch}, {w.dtype}, width {w.width}, depth {w.depth}; "
+          f"{os.cpu_count()} cores; torch {base['env']['torch']}")
+    single_mem = plain_in_fresh_process(w, threads=max(1, os.cpu_count() or 1))
+    append(args.out, {**base, "kind": "memory", "workers": 0, "peak_bytes": single_mem["peak_bytes"],
+                      "sources": single_mem["sources"]})
+    print("\n| workers | grid | per-worker peak (MiB) | single / N (MiB) | halo (MiB) | target (MiB) | meets |")
+    print("|---|---|---|---|---|---|---|")
+    for row in memory_rows(w, [int(n) for n in args.workers.split(",")], single_mem, args.out, base):
+        print(row, flush=True)
+    print(f"\nsingle process peak: {single_mem['peak_bytes'] / MiB:.1f} MiB ({', '.join(single_mem['sources'])})")
+    if args.skip_time:
+        return
+    single_time = plain_in_fresh_process(w, threads=1)
+    append(args.out, {**base, "kind": "time", "workers": 0, "threads_per_worker": 1, "step_s": single_time["step_s"]})
+    print("\n| run | step (s) | speedup over plain |")
+    print("|---|---|---|")
+    for row in time_rows(w, single_time, args.out, base):
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
