@@ -26,20 +26,24 @@ from .geometry import (
 from .sharding import UnsupportedOperation, mark
 
 
-class _Pieces(torch.autograd.Function):
-    """Compact copies of several regions of ``x``, with one gradient buffer for all of them.
+class _SendPieces(torch.autograd.Function):
+    """``x`` itself, plus compact copies of the regions other shards need from it.
 
-    Plain slicing would give each region its own full-size zero gradient in backward.
+    In backward the pieces' gradients are added in place into the gradient of ``x`` that the
+    convolution produced, so halos cost no second full-size gradient buffer (slicing would give
+    each piece its own full-size zero gradient).
     """
 
     @staticmethod
     def forward(ctx, x, *indices):
         ctx.indices, ctx.shape = indices, x.shape
-        return tuple(x[index].clone(memory_format=torch.contiguous_format) for index in indices)
+        pieces = tuple(x[index].clone(memory_format=torch.contiguous_format) for index in indices)
+        return (x.view_as(x),) + pieces
 
     @staticmethod
-    def backward(ctx, *grads):
-        grad_x = grads[0].new_zeros(ctx.shape)
+    def backward(ctx, grad_x, *grads):
+        # grad_x is the fresh buffer autograd accumulated for x's own use; nothing else holds it.
+        grad_x = grad_x if grad_x is not None else grads[0].new_zeros(ctx.shape)
         for index, grad in zip(ctx.indices, grads):
             if grad is not None:
                 grad_x[index] += grad
@@ -163,7 +167,7 @@ class ShardExecutor:
         key = (self.call, next(self.exchanges))
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
-        self._push_halos(x, shape, windows, my_box, key, first)
+        x = self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
         own = own_padding(windows, my_box, plan.out_box)
         if own is None:
@@ -214,12 +218,13 @@ class ShardExecutor:
         key = (self.call, next(self.exchanges))
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
-        self._push_halos(x, shape, windows, my_box, key, first)
+        x = self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
         sources = self._receive_halos(plan, x, my_box, key, "the halo exchange")
         return self._region(plan.out_box, windows, shape, sources, first)
 
-    def _push_halos(self, x, shape, windows, my_box: Box, key, first: int) -> None:
+    def _push_halos(self, x, shape, windows, my_box: Box, key, first: int) -> torch.Tensor:
+        """Push every other shard its part of ``x``; return ``x`` to use from here on."""
         lead = (slice(None),) * first
         targets, indices = [], []
         for index, coord in enumerate(all_coords(self.grid)):
@@ -229,9 +234,12 @@ class ShardExecutor:
             if part is not None:
                 targets.append(index)
                 indices.append(lead + local_slices(part, my_box))
-        if targets:
-            for index, piece in zip(targets, _Pieces.apply(x, *indices)):
-                transport.push(index, key + (self.rt.index,), piece)
+        if not targets:
+            return x
+        x, *pieces = _SendPieces.apply(x, *indices)
+        for index, piece in zip(targets, pieces):
+            transport.push(index, key + (self.rt.index,), piece)
+        return x
 
     def _receive_halos(self, plan: HaloPlan, x, my_box: Box, key, where: str) -> dict:
         sources = {}
