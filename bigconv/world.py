@@ -34,11 +34,15 @@ log = logging.getLogger(__name__)
 
 DRIVER = "driver"
 
-# A worker runs each forward on whichever RPC thread is free and its backward on autograd's threads;
-# glibc then keeps freed activations in per-thread arenas (and raises its mmap threshold after the
-# first large free), so resident memory grew to several times the live tensors in our measurements.
-# A fixed threshold returns every large tensor to the OS when it is freed. Users may override it.
-WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+# Allocator settings for CPU workers (measured in experiments/bench_core.py):
+# - A worker runs each forward on whichever RPC thread is free and its backward on autograd's
+#   threads; glibc then kept freed activations in per-thread arenas (and raised its mmap threshold
+#   after the first large free), so resident memory grew to several times the live tensors. A fixed
+#   threshold returns every large tensor to the OS when it is freed.
+# - Fresh pages for every large tensor then cost a page fault per 4 KiB, which doubled step times;
+#   PyTorch's THP_MEM_ALLOC_ENABLE backs large tensors with 2 MiB transparent huge pages instead.
+# Variables already set in the driver's environment win.
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
@@ -85,7 +89,7 @@ class World:
     Use as a context manager: leaving it shuts RPC down, then the gradient group, also after an
     exception. ``timeout`` bounds every wait of a step (seconds); a dead or stuck worker becomes a
     ``WorkerFailure`` naming it. ``worker_env`` adds environment variables for the workers (default:
-    ``WORKER_MALLOC_ENV``; variables already set in this process win).
+    ``WORKER_ENV``; variables already set in this process win).
     """
 
     def __init__(
@@ -111,7 +115,7 @@ class World:
         self._procs: list[subprocess.Popen] = []
         self._closed = self._closing = False
         self._store = None
-        self.worker_env = dict(WORKER_MALLOC_ENV if worker_env is None else worker_env)
+        self.worker_env = dict(WORKER_ENV if worker_env is None else worker_env)
         self._start_local(startup_timeout)
 
     # -- startup -----------------------------------------------------------------------------

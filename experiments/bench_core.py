@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict
 
 import bigconv
-from bigconv.world import WORKER_MALLOC_ENV
+from bigconv.world import WORKER_ENV
 from experiments.workload import Workload, environment, plain_in_fresh_process, train_distributed
 
 MiB = 2**20
@@ -75,11 +75,11 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-time", action="store_true", help="memory table only")
     args = parser.parse_args(argv)
     # The plain baseline runs under the same allocator settings as the workers, so they compare fairly.
-    for key, value in WORKER_MALLOC_ENV.items():
+    for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
     w = Workload(model="cnn2d", size=args.size, steps=args.steps)
     base = {"bench": "core", "workload": asdict(w), "env": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "malloc_env": {k: os.environ.get(k) for k in WORKER_MALLOC_ENV}}
+            "worker_env": {k: os.environ.get(k) for k in WORKER_ENV}}
     print(f"CNN2D {w.size}x{w.size}, batch {w.batch}, {w.dtype}, width {w.width}, depth {w.depth}; "
           f"{os.cpu_count()} cores; torch {base['env']['torch']}")
     single_mem = plain_in_fresh_process(w, threads=max(1, os.cpu_count() or 1))
