@@ -246,8 +246,12 @@ class World:
         return self.wait(futures, what)
 
     def wait(self, futures: Sequence, what: str) -> list[Any]:
-        """Wait for one future per worker within the timeout; raise naming a dead, failed or late worker."""
-        deadline = time.monotonic() + self.timeout
+        """Wait for one future per worker within the timeout; raise naming a dead, failed or late worker.
+
+        The driver waits a little longer than the workers' own waits, so that a worker stuck on a
+        halo reports which peer it is waiting for before the driver gives up on everyone.
+        """
+        deadline = time.monotonic() + 1.1 * self.timeout + 1.0
         pause = 0.0005
         while True:
             dead = self.dead_workers()

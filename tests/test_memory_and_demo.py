@@ -48,3 +48,19 @@ def test_demo_runs(exclusive):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "final loss: distributed" in out.stdout and "worker3: peak" in out.stdout
     assert "single process: peak" in out.stdout
+
+
+def test_core_memory_plot_from_saved_results(tmp_path):
+    """Figures come from saved records only: PNG and PDF, naming their source."""
+    from plots.core import draw
+
+    env = {"cores": 2, "cpu": "x86_64", "gpu": None, "torch": torch.__version__}
+    workload = {"model": "cnn2d", "size": 64, "batch": 1, "dtype": "float32"}
+    records = [{"kind": "memory", "workers": 0, "peak_bytes": 400 * 2**20}] + [
+        {"kind": "memory", "workers": n, "peak_bytes_max": 410 * 2**20 / n, "workload": workload, "env": env}
+        for n in (1, 2, 4)]
+    paths = draw(records, "fixture.jsonl", str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["core_memory.png", "core_memory.pdf"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+    with pytest.raises(ValueError, match="no distributed memory records"):
+        draw(records[:1], "empty.jsonl", str(tmp_path))

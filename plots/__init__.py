@@ -1,0 +1,1 @@
+"""Figures drawn from saved results only (JSON lines under results/), never by re-running."""
