@@ -48,8 +48,14 @@ WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "THP_MEM_ALLOC_ENABLE":
 def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
     # Each worker parks one thread per forward call and receives a message from every other shard
     # per exchange, so the pool grows with the world to never starve.
+    # TensorPipe's shared-memory transport busy-polls: an idle process burnt ~0.65 of a core in our
+    # measurement, which a worker's compute cannot spare when workers share a host's cores. The libuv
+    # (TCP) transport waits on events instead; halos are small next to the compute they feed.
+    # BIGCONV_RPC_TRANSPORTS (e.g. "ibv,uv" on InfiniBand) overrides it for the whole world.
+    transports = os.environ.get("BIGCONV_RPC_TRANSPORTS", "uv").split(",")
     return rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=max(16, 2 * workers + 8), rpc_timeout=timeout, init_method=f"tcp://{addr}:{port + 1}"
+        num_worker_threads=max(16, 2 * workers + 8), rpc_timeout=timeout, init_method=f"tcp://{addr}:{port + 1}",
+        _transports=transports, _channels=["basic"] if transports == ["uv"] else None,
     )
 
 

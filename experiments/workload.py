@@ -90,7 +90,8 @@ def train_plain(w: Workload, threads: int, warm: bool = True) -> dict:
         opt.step()
         if step:
             times.append(time.perf_counter() - t0)
-    return {**meter.read(), "step_s": min(times) if times else None, "loss": loss.item(), "threads": threads,
+    return {**meter.read(), "step_s": min(times) if times else None, "step_times_s": times, "loss": loss.item(),
+            "threads": threads,
             "warm_baseline": warm}
 
 
@@ -121,7 +122,8 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
             times.append(time.perf_counter() - t0)
     mem = world.call(worker.memory, [()] * world.workers, "reading memory")
     traffic = world.call(worker.transport_stats, [()] * world.workers, "reading transport stats")
-    return {"grid": list(net.plan(x).grid), "step_s": min(times) if times else None, "loss": loss,
+    return {"grid": list(net.plan(x).grid), "step_s": min(times) if times else None, "step_times_s": times,
+            "loss": loss,
             "workers": world.workers, "warm_baseline": warm,
             "per_worker": [{**m, **t} for m, t in zip(mem, traffic)]}
 
