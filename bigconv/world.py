@@ -111,8 +111,10 @@ class World:
         check_positive_int(workers, "workers")
         if device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-        if not timeout > 0:
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if threads_per_worker is not None:
+            check_positive_int(threads_per_worker, "threads_per_worker")
         self.workers = workers
         self.timeout = float(timeout)
         self.device = device

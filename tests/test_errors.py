@@ -103,7 +103,7 @@ def test_train_step_needs_optimizer(world, rpc_calls):
 @pytest.mark.parametrize("kwargs,match", [
     ({"workers": 0}, "positive integer"), ({"workers": -3}, "positive integer"), ({"workers": 2.5}, "positive integer"),
     ({"workers": "4"}, "positive integer"), ({"workers": 2, "device": "tpu"}, "device must be"),
-    ({"workers": 2, "timeout": 0}, "timeout must be"),
+    ({"workers": 2, "timeout": 0}, "timeout must be"), ({"workers": 2, "threads_per_worker": 0}, "positive integer"),
 ])
 def test_world_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
