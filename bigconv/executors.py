@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import transport
 from .geometry import (
-    Box, HaloPlan, Window, all_coords, balanced_bounds, coord_of, halo_plan, index_of, intersect, local_slices,
+    Box, HaloPlan, Window, all_coords, coord_of, halo_plan, index_of, intersect, local_slices,
     shard_box,
 )
 from .sharding import UnsupportedOperation, mark
@@ -323,5 +323,3 @@ def join_shards(shards: Sequence[torch.Tensor], grid: Sequence[int]) -> torch.Te
     blocks = {c: s for c, s in zip(all_coords(grid), shards)}
     return nested_cat(blocks, [list(range(g)) for g in grid], shards[0].dim() - len(grid))
 
-
-__all__ = ["ShardExecutor", "DryRunExecutor", "split_shards", "join_shards", "balanced_bounds"]

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 from . import losses, worker
@@ -145,7 +146,7 @@ class ParallelModel:
                 loss = loss_fn(self._assemble(plan, results, grad=True), y)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-            dist_autograd.backward(ctx, [loss])
+            self.world.backward(ctx, loss, f"backward of step {args[0][0]}")
             self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {args[0][0]}")
         return float(loss.detach())
 
@@ -167,8 +168,6 @@ class ParallelModel:
         return [(call, plan.grid, plan.in_shape, xi, loss_fn, yi, grad) for xi, yi in zip(xs, ys)]
 
     def _launch(self, args: list[tuple]) -> list:
-        import torch.distributed.rpc as rpc
-
         self.world.check_usable()
         return [rpc.rpc_async(name, worker.forward, args=(self.id, *a), timeout=self.world.rpc_timeout)
                 for name, a in zip(self.world.names, args)]
@@ -185,8 +184,6 @@ class ParallelModel:
 
     def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
         """The weights of the first ``workers`` replicas (all by default), to check they agree."""
-        import torch.distributed.rpc as rpc
-
         self.world.check_usable()
         names = self.world.names[: workers or self.world.workers]
         futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.rpc_timeout) for n in names]

@@ -297,6 +297,20 @@ class World:
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
+    def backward(self, context_id: int, loss, what: str) -> None:
+        """Distributed backward from ``loss``; a worker lost on the way becomes a WorkerFailure.
+
+        Its RPCs carry the agent's timeout, so a stalled worker cannot hold it forever either.
+        """
+        import torch.distributed.autograd as dist_autograd
+
+        try:
+            dist_autograd.backward(context_id, [loss])
+        except RuntimeError as exc:
+            dead = self._dead_soon()
+            self.broken = f"{dead[0]} died during {what}" if dead else f"{what} failed: {remote_summary(exc)}"
+            raise WorkerFailure(self.broken) from exc
+
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:

@@ -30,6 +30,9 @@ class Sabotage(nn.Module):
         if rt is not None and rt.index == self.victim and self.calls >= self.from_call:
             if self.action == "die":
                 os._exit(7)
+            if self.action == "die_in_backward":
+                x.register_hook(lambda grad: os._exit(7))
+                return x * 1.0
             time.sleep(3600)
         return x
 
@@ -44,6 +47,7 @@ def _model(action: str) -> nn.Module:
 @pytest.mark.parametrize("action,timeout,bound,match", [
     ("die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during forward of step"),
     ("stall", 8.0, 40.0, r"^worker1 did not finish forward of step"),
+    ("die_in_backward", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during (backward|optimizer step)"),
 ])
 def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound, match):
     x, y = torch.randn(1, 1, 8, 8), torch.tensor([1])
