@@ -52,12 +52,14 @@ def halo_adjoint(world: World, x: torch.Tensor, grid: Sequence[int], windows: Se
         ys.append(torch.randn(*x.shape[:2], *size, generator=gen, dtype=x.dtype))
     xs = split_shards(x, grid)
     with dist_autograd.context() as ctx:
-        futures = [rpc.rpc_async(n, _exchange, args=(call, grid, shape, tuple(windows), xi, yi), timeout=world.rpc_timeout)
+        futures = [rpc.rpc_async(n, _exchange, args=(call, grid, shape, tuple(windows), xi, yi),
+                                 timeout=world.rpc_timeout)
                    for n, xi, yi in zip(world.names, xs, ys)]
         results = world.wait(futures, "halo adjoint forward")
         forward = sum(r[1] for r in results)
         dist_autograd.backward(ctx, [forward])
-        back = world.wait([rpc.rpc_async(n, _adjoint_half, args=(call, ctx), timeout=world.rpc_timeout) for n in world.names],
+        back = world.wait([rpc.rpc_async(n, _adjoint_half, args=(call, ctx), timeout=world.rpc_timeout)
+                           for n in world.names],
                           "halo adjoint backward")
     return {
         "windows": [r[0] for r in results],

@@ -27,7 +27,8 @@ def is_dense(loss_fn: Callable, spatial_dims: int) -> bool:
         return False
     if isinstance(loss_fn, nn.BCEWithLogitsLoss):
         # weight and pos_weight broadcast against the target; a spatial pattern would need sharding.
-        return _spatially_constant(loss_fn.weight, spatial_dims) and _spatially_constant(loss_fn.pos_weight, spatial_dims)
+        return (_spatially_constant(loss_fn.weight, spatial_dims)
+                and _spatially_constant(loss_fn.pos_weight, spatial_dims))
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         return loss_fn.label_smoothing == 0.0 or loss_fn.weight is None
     return True

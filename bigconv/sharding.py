@@ -161,7 +161,8 @@ def _pointwise(mode: ShardMode, func, args, kwargs):
             if any(s != 1 for s in trailing) and t.dim() >= 1:
                 raise mode.unsupported(
                     func, f"an unsharded operand of shape {tuple(t.shape)} varies along spatial dims",
-                    "Give per-position operands a size of 1 in the spatial dims (broadcast), or compute them from the input",
+                    "Give per-position operands a size of 1 in the spatial dims (broadcast), "
+                    "or compute them from the input",
                 )
     return mode.tag_outputs(func(*args, **kwargs), shape)
 
@@ -218,7 +219,8 @@ def _reduce(mode: ShardMode, func, args, kwargs, mean: bool):
     if not dims & spatial:
         return mode.tag_outputs(func(*args, **kwargs), shape)
     if not spatial <= dims:
-        raise mode.unsupported(func, "it reduces some spatial dims but not all", "Reduce over all spatial dims at once.")
+        raise mode.unsupported(func, "it reduces some spatial dims but not all",
+                               "Reduce over all spatial dims at once.")
     sum_kwargs = {"dtype": kwargs["dtype"]} if "dtype" in kwargs else {}
     total = mode.executor.allsum(torch.sum(x, dim=sorted(dims), keepdim=bool(keepdim), **sum_kwargs))
     if not mean:
@@ -277,7 +279,8 @@ def _conv(mode: ShardMode, func, args, kwargs):
     stride, dilation, groups = b.get("stride", 1), b.get("dilation", 1), b.get("groups", 1)
     windows = _conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
     if len(windows) != mode.dims:
-        raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid", "Use a grid with one axis per spatial dim.")
+        raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid",
+                               "Use a grid with one axis per spatial dim.")
 
     def op(region: torch.Tensor, padding=0, bias: bool = True) -> torch.Tensor:
         return func(region, weight, b.get("bias") if bias else None, stride, padding, dilation, groups)

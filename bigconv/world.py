@@ -158,7 +158,8 @@ class World:
                         device=self.device, threads=self.threads_per_worker, timeout=self.timeout,
                         startup_timeout=startup_timeout)
             env["BIGCONV_WORKER"] = json.dumps(spec)
-            self._procs.append(subprocess.Popen([sys.executable, "-c", "from bigconv.worker import main; main()"], env=env))
+            entry = "from bigconv.worker import main; main()"
+            self._procs.append(subprocess.Popen([sys.executable, "-c", entry], env=env))
         try:
             self._init_driver_rpc(addr, port, startup_timeout)
         except BaseException:

@@ -144,7 +144,7 @@ def _target(kind: str, shape):
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("loss_fn,kind", [pytest.param(l, k, id=i) for i, l, k in DENSE_LOSSES])
+@pytest.mark.parametrize("loss_fn,kind", [pytest.param(fn, k, id=i) for i, fn, k in DENSE_LOSSES])
 def test_dense_losses_shard_local(world, loss_fn, kind):
     x = torch.randn(2, 1, 13, 11, dtype=torch.float64)
     y = _target(kind, (2, 3, 13, 11))
