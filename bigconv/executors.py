@@ -2,11 +2,13 @@
 
 ``ShardExecutor`` runs inside a worker. A windowed op pushes to every other shard exactly the part
 of its input that shard reads (distributed autograd's FAST mode needs every send to be consumed),
-computes the interior of its output from its own data while halos are in flight, then the border
-slabs from halos. The output is cut the same way as every tensor: balanced over the grid.
+convolves its own data into its whole output while halos are in flight, then adds the halos'
+contribution to the border slabs (convolution is linear). The output is cut the same way as every
+tensor: balanced over the grid.
 
-``DryRunExecutor`` runs in the driver on meta tensors over the whole image. It checks every
-shard's geometry before any remote work and tells the driver what the output looks like.
+``DryRunExecutor`` runs in the driver on meta tensors over the whole image. It checks that every
+layer's output can still be split over the grid, before any remote work, and tells the driver
+what the output looks like.
 """
 
 from __future__ import annotations
@@ -289,7 +291,7 @@ class ShardExecutor:
 
 
 class DryRunExecutor:
-    """The whole image at once, on meta tensors: checks geometry for every shard."""
+    """The whole image at once, on meta tensors."""
 
     def __init__(self, grid: tuple[int, ...]) -> None:
         self.grid = grid
@@ -299,8 +301,6 @@ class DryRunExecutor:
 
     def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
         out_shape = check_output_fits(shape, windows, self.grid, where)
-        for coord in all_coords(self.grid):
-            halo_plan(shape, self.grid, coord, windows)
         out = op(F.pad(x, pad_spec([(w.pad_lo, w.pad_hi) for w in windows])))
         return mark(out, out_shape)
 

@@ -131,6 +131,10 @@ DENSE_LOSSES = [
     ("ce-sum", nn.CrossEntropyLoss(reduction="sum"), "classes"),
     ("ce-weight-ignore", nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]).double(), ignore_index=1),
      "classes"),
+    ("ce-smoothing-ignore", nn.CrossEntropyLoss(label_smoothing=0.1, ignore_index=2), "classes"),
+    ("ce-probabilities", nn.CrossEntropyLoss(), "probabilities"),
+    ("ce-weight-smoothing-gathered", nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]).double(),
+                                                         label_smoothing=0.1), "classes"),
 ]
 
 
@@ -138,6 +142,8 @@ def _target(kind: str, shape):
     n, _, h, w = shape
     if kind == "classes":
         return torch.randint(0, 3, (n, h, w))
+    if kind == "probabilities":
+        return torch.softmax(torch.randn(n, 3, h, w, dtype=torch.float64), dim=1)
     if kind == "binary":
         return torch.randint(0, 2, (n, 3, h, w)).double()
     return torch.randn(n, 3, h, w, dtype=torch.float64)
