@@ -17,9 +17,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 import bigconv
-from bigconv import models, worker
+from bigconv import worker
 from bigconv.memory import PeakMeter
 from bigconv.world import WORKER_ENV
+from experiments import recorder, registry
+from experiments.recorder import Recorder
 
 
 @dataclass(kw_only=True)
@@ -27,7 +29,7 @@ class Workload:
     """A model, an input size and a few training steps."""
 
     model: str = "cnn2d"
-    """One of cnn1d, cnn2d, cnn3d."""
+    """A name in ``experiments.registry.MODELS`` (cnn1d, cnn2d, cnn3d, ...)."""
     size: int = 256
     """Edge length of the (square or cubic) input."""
     batch: int = 1
@@ -46,40 +48,49 @@ class Workload:
     """Seed of the weights and the data."""
 
     def __post_init__(self) -> None:
-        if self.model not in ("cnn1d", "cnn2d", "cnn3d"):
-            raise ValueError(f"model must be cnn1d, cnn2d or cnn3d, got {self.model!r}")
+        registry.spec(self.model)  # raises naming the known models
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         for name in ("size", "batch", "channels", "width", "depth", "steps"):
             bigconv.geometry.check_positive_int(getattr(self, name), name)
 
     @property
+    def spec(self) -> registry.ModelSpec:
+        return registry.spec(self.model)
+
+    @property
     def dims(self) -> int:
-        return int(self.model[3])
+        return self.spec.dims
 
     def build(self) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
         torch.manual_seed(self.seed)
-        cls = {1: models.CNN1D, 2: models.CNN2D, 3: models.CNN3D}[self.dims]
-        model = cls(self.channels, 2, width=self.width, depth=self.depth).to(getattr(torch, self.dtype))
+        spec = self.spec
+        model = spec.build(self.channels, 2, self.width, self.depth).to(getattr(torch, self.dtype))
         x = torch.randn(self.batch, self.channels, *[self.size] * self.dims, dtype=getattr(torch, self.dtype))
-        y = torch.randint(0, 2, (self.batch,))
-        return model, x, y
+        return model, x, spec.target(self.batch, self.size)
 
 
 def warmup_workload(w: Workload) -> Workload:
     """The same model on a tiny input: pages in kernels and thread pools before memory is measured."""
-    return Workload(**{**asdict(w), "size": 4 * max(1, w.depth) + 8, "batch": 1, "steps": 1})
+    m = w.spec.edge_multiple(w.depth)
+    size = max(4 * max(1, w.depth) + 8, 4 * m)
+    return Workload(**{**asdict(w), "size": -(-size // m) * m, "batch": 1, "steps": 1})
 
 
-def train_plain(w: Workload, threads: int, warm: bool = True) -> dict:
+def train_plain(w: Workload, threads: int, warm: bool = True, recorder: Recorder | None = None,
+                device: str = "cpu") -> dict:
     """Train in this process; memory is the peak above the resident set before the model exists
     (after a warm-up step on a tiny input when ``warm``: the runtime's own one-off costs excluded).
+    ``recorder`` (not started) adds its record under ``recorder``; it starts where the meter does.
     """
     torch.set_num_threads(threads)
     if warm:
-        train_plain(warmup_workload(w), threads, warm=False)
-    meter = PeakMeter("cpu")
+        train_plain(warmup_workload(w), threads, warm=False, device=device)
+    meter = PeakMeter(device)
+    if recorder is not None:
+        recorder.start()
     model, x, y = w.build()
+    model, x, y = model.to(device), x.to(device), y.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     times, loss = [], None
@@ -89,11 +100,15 @@ def train_plain(w: Workload, threads: int, warm: bool = True) -> dict:
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         if step:
             times.append(time.perf_counter() - t0)
-    return {**meter.read(), "step_s": min(times) if times else None, "step_times_s": times, "loss": loss.item(),
-            "threads": threads,
-            "warm_baseline": warm}
+    record = {**meter.read(), "step_s": min(times) if times else None, "step_times_s": times, "loss": loss.item(),
+              "threads": threads, "warm_baseline": warm}
+    if recorder is not None:
+        record["recorder"] = recorder.stop()
+    return record
 
 
 def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
@@ -106,15 +121,23 @@ def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool = True) -> dict:
+def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool = True, record: bool = False,
+                      budget_bytes: int | None = None) -> dict:
     """Train on ``world``; per-worker memory is each worker's peak above its baseline (taken after a
-    warm-up step on a tiny input when ``warm``, as for the plain run).
+    warm-up step on a tiny input when ``warm``, as for the plain run). ``record`` runs the recorder
+    on every worker (utilization, NVML, halo wait); ``budget_bytes`` caps each worker after the warm-up
+    (``experiments.recorder.limit_memory``).
     """
     if warm:
         train_distributed(warmup_workload(w), world, grid=None, warm=False)
+    limits = (world.call(recorder.worker_limit_memory, [(budget_bytes,)] * world.workers, "capping memory")
+              if budget_bytes else None)
+    if record:
+        world.call(recorder.worker_start, [()] * world.workers, "starting the recorders")
+    elif warm:
         world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
     model, x, y = w.build()
-    net = bigconv.parallelize(model, world, grid=grid)
+    net = bigconv.parallelize(model, world, grid=tuple(grid) if grid else None)
     net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     times, loss = [], None
@@ -123,21 +146,43 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
         loss = net.train_step(x, y, loss_fn)
         if step:
             times.append(time.perf_counter() - t0)
+    recs = (world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders") if record
+            else [{}] * world.workers)
     mem = world.call(worker.memory, [()] * world.workers, "reading memory")
     traffic = world.call(worker.transport_stats, [()] * world.workers, "reading transport stats")
     return {"grid": list(net.plan(x).grid), "step_s": min(times) if times else None, "step_times_s": times,
             "loss": loss,
-            "workers": world.workers, "warm_baseline": warm,
-            "per_worker": [{**m, **t} for m, t in zip(mem, traffic)]}
+            "workers": world.workers, "warm_baseline": warm, "budget": limits[0] if limits else None,
+            "per_worker": [{**m, **t, **r} for m, t, r in zip(mem, traffic, recs)]}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment() -> dict:
     """Hardware, versions and commit, for every record."""
+    here = os.path.dirname(__file__)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__)).stdout.strip() or None
+                                cwd=here).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                    text=True, cwd=here).stdout.strip())
     except OSError:
-        commit = None
+        commit, dirty = None, None
+    gpu = torch.cuda.is_available()
+    pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or
-            platform.machine(), "cores": os.cpu_count(), "gpu": torch.cuda.get_device_name(0) if
-            torch.cuda.is_available() else None, "commit": commit}
+            platform.machine(), "cpu_model": _cpu_model(), "cores": os.cpu_count(),
+            "host_memory_bytes": pages * os.sysconf("SC_PAGE_SIZE") if pages else None,
+            "gpu": torch.cuda.get_device_name(0) if gpu else None,
+            "gpu_count": torch.cuda.device_count() if gpu else 0,
+            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if gpu else None,
+            "commit": commit, "commit_dirty": dirty}
