@@ -22,9 +22,10 @@ import torch.nn.functional as F
 
 from . import transport
 from .geometry import (
-    Box, HaloPlan, Window, all_coords, coord_of, halo_plan, index_of, intersect, local_slices,
+    Box, HaloPlan, Window, all_coords, balanced_bounds, coord_of, halo_plan, index_of, intersect, local_slices,
     shard_box,
 )
+from .index_maps import needed, runs
 from .sharding import UnsupportedOperation, mark
 
 
@@ -254,10 +255,13 @@ class ShardExecutor:
                 sources[owner] = (transport.take(src, key + (src,), what), box)
         return sources
 
-    def _region(self, out_box: Box, windows, shape, sources: dict, first: int, own_as_zeros: bool = False):
-        """The zero-padded input that ``out_box`` reads, joined from the owners' pieces.
+    def _region(self, out_box: Box, windows, shape, sources: dict, first: int, own_as_zeros: bool = False,
+                fill: float | None = 0.0):
+        """The padded input that ``out_box`` reads, joined from the owners' pieces.
 
-        With ``own_as_zeros`` this shard's own part is zeros: the halos' contribution alone.
+        With ``own_as_zeros`` this shard's own part is zeros: the halos' contribution alone. Beyond
+        the image border the region is padded with ``fill`` (-inf for max pooling), or not at all
+        when ``fill`` is None.
         """
         lead = (slice(None),) * first
         want = [w.input_interval(o) for w, o in zip(windows, out_box)]
@@ -275,19 +279,109 @@ class ShardExecutor:
                 if c not in keys[axis]:
                     keys[axis].append(c)
         region = nested_cat(blocks, [sorted(k) for k in keys], first)
-        return F.pad(region, pad_spec(pad)) if any(p for lo_hi in pad for p in lo_hi) else region
+        if fill is None or not any(p for lo_hi in pad for p in lo_hi):
+            return region
+        return F.pad(region, pad_spec(pad), value=fill)
 
-    def allsum(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum of every shard's ``partial``, in worker order so all replicas agree bit for bit."""
+    def allgather(self, partial: torch.Tensor, what: str = "partial sum") -> list[torch.Tensor]:
+        """Every shard's ``partial``, in worker order, on every worker (differentiably)."""
         key = (self.call, next(self.exchanges))
         for index in range(self.rt.workers):
             if index != self.rt.index:
                 transport.push(index, key + (self.rt.index,), partial)
-        parts = [
-            partial if i == self.rt.index else transport.take(i, key + (i,), f"partial sum {key[1]} of call {key[0]}")
+        return [
+            partial if i == self.rt.index else transport.take(i, key + (i,), f"{what} {key[1]} of call {key[0]}")
             for i in range(self.rt.workers)
         ]
-        return functools.reduce(torch.add, parts)
+
+    def allsum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of every shard's ``partial``, in worker order so all replicas agree bit for bit."""
+        return functools.reduce(torch.add, self.allgather(partial))
+
+    # -- ops beyond convolution ------------------------------------------------------------------
+    dry = False
+
+    def fits(self, shape: Sequence[int]) -> bool:
+        return all(n >= g for n, g in zip(shape, self.grid))
+
+    def local_part(self, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """This shard's part of a whole (replicated) tensor of spatial ``shape``."""
+        lead = (slice(None),) * (t.dim() - len(self.grid))
+        return t[lead + tuple(slice(a, b) for a, b in shard_box(shape, self.grid, self.coord))]
+
+    def gather_all(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """The whole tensor on every worker, for maps too small to split over the grid."""
+        return join_shards(self.allgather(x, "whole-map gather"), self.grid)
+
+    def region_op(self, x, shape, windows, op: Callable, whole: Callable, where: str, fill: float | None = 0.0):
+        """A windowed op that is not linear (pooling) or not a plain window (transposed conv).
+
+        The shard joins its input region from the owners (padded with ``fill`` at the global
+        border) and ``op(region, box)`` computes its output box from it, where ``box`` is the
+        region's global input box (``want`` with padding, the clipped box without).
+        """
+        key = (self.call, next(self.exchanges))
+        first = x.dim() - len(self.grid)
+        my_box = shard_box(shape, self.grid, self.coord)
+        x = self._push_halos(x, shape, windows, my_box, key, first)
+        plan = halo_plan(shape, self.grid, self.coord, windows)
+        if plan.need is None or any(a >= b for a, b in plan.need):
+            return op(None, plan)
+        sources = self._receive_halos(plan, x, my_box, key, where)
+        return op(self._region(plan.out_box, windows, shape, sources, first, fill=fill), plan)
+
+    def index_map(self, x, shape, maps: Sequence, apply: Callable, where: str) -> torch.Tensor:
+        """A separable index map (upsampling, padding modes); see ``bigconv.index_maps``.
+
+        Each shard reads exactly the inputs its outputs' taps name, wherever they live (circular
+        padding wraps around the image), and ``apply(region, taps)`` evaluates the taps on them.
+        """
+        key = (self.call, next(self.exchanges))
+        first = x.dim() - len(self.grid)
+        lead = (slice(None),) * first
+        out_shape = [m.n_out for m in maps]
+        bounds = [balanced_bounds(n, g) for n, g in zip(shape, self.grid)]
+        my_box = shard_box(shape, self.grid, self.coord)
+
+        def wants(coord):
+            out_box = shard_box(out_shape, self.grid, coord)
+            taps = [m.taps(o) for m, o in zip(maps, out_box)]
+            return taps, [runs(needed(t), b) for t, b in zip(taps, bounds)]
+
+        targets, indices = [], []
+        for index, coord in enumerate(all_coords(self.grid)):
+            if index == self.rt.index:
+                continue
+            per_axis = [[iv for c, iv in axis_runs if c == mine] for axis_runs, mine in zip(wants(coord)[1], self.coord)]
+            for box in itertools.product(*per_axis):
+                targets.append((index, len([t for t in targets if t[0] == index])))
+                indices.append(lead + local_slices(box, my_box))
+        if targets:
+            x, *pieces = _SendPieces.apply(x, *indices)
+            for (index, number), piece in zip(targets, pieces):
+                transport.push(index, key + (self.rt.index, number), piece)
+
+        taps, my_runs = wants(self.coord)
+        counters: dict[tuple[int, ...], int] = {}
+        blocks = {}
+        for combo in itertools.product(*(list(enumerate(r)) for r in my_runs)):
+            owner = tuple(c for _, (c, _) in combo)
+            box = tuple(iv for _, (_, iv) in combo)
+            if owner == self.coord:
+                piece = x[lead + local_slices(box, my_box)]
+            else:
+                src = index_of(owner, self.grid)
+                number = counters.get(owner, 0)
+                counters[owner] = number + 1
+                piece = transport.take(src, key + (src, number), f"index-map input {key[1]} of call {key[0]} "
+                                                                  f"for {where}")
+            blocks[tuple(i for i, _ in combo)] = piece
+        region = nested_cat(blocks, [list(range(len(r))) for r in my_runs], first)
+        local = []
+        for t, axis_runs in zip(taps, my_runs):
+            position = {g: i for i, g in enumerate(i for _, (a, b) in axis_runs for i in range(a, b))}
+            local.append([([position[i] for i in idx], w) for idx, w in t])
+        return apply(region, local)
 
 
 class DryRunExecutor:
@@ -306,6 +400,17 @@ class DryRunExecutor:
 
     def allsum(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
+
+    dry = True
+
+    def fits(self, shape: Sequence[int]) -> bool:
+        return all(n >= g for n, g in zip(shape, self.grid))
+
+    def local_part(self, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        return t
+
+    def gather_all(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        return x
 
 
 def split_shards(x: torch.Tensor, grid: Sequence[int]) -> list[torch.Tensor]:

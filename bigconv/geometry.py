@@ -129,18 +129,56 @@ class Window:
     dilation: int = 1
     pad_lo: int = 0
     pad_hi: int = 0
+    ceil_mode: bool = False
+    """Pooling's ``ceil_mode``: a last, partial window that starts inside the image or its low padding."""
 
     @property
     def span(self) -> int:
         return self.dilation * (self.kernel - 1) + 1
 
     def out_size(self, n: int) -> int:
-        return (n + self.pad_lo + self.pad_hi - self.span) // self.stride + 1
+        if not self.ceil_mode:
+            return (n + self.pad_lo + self.pad_hi - self.span) // self.stride + 1
+        out = -(-(n + self.pad_lo + self.pad_hi - self.span) // self.stride) + 1
+        return out - 1 if (out - 1) * self.stride >= n + self.pad_lo else out
 
     def input_interval(self, out: Interval) -> Interval:
         """The (unclipped) input interval that output interval ``out`` reads."""
         o0, o1 = out
         return o0 * self.stride - self.pad_lo, (o1 - 1) * self.stride - self.pad_lo + self.span
+
+
+@dataclass(frozen=True)
+class TransposedWindow:
+    """One spatial dim of a transposed convolution, in the interface of ``Window``.
+
+    Input ``i`` adds into outputs ``i * stride - padding + dilation * j`` for ``j < kernel``;
+    ``output_padding`` extends the output at the high end only.
+    """
+
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    padding: int = 0
+    output_padding: int = 0
+
+    @property
+    def span(self) -> int:
+        return self.dilation * (self.kernel - 1) + 1
+
+    def out_size(self, n: int) -> int:
+        return (n - 1) * self.stride - 2 * self.padding + self.span + self.output_padding
+
+    def input_interval(self, out: Interval) -> Interval:
+        """Inputs that write into output interval ``out`` (may be empty at the output padding)."""
+        o0, o1 = out
+        lo = -(-(o0 + self.padding - self.span + 1) // self.stride)
+        hi = (o1 - 1 + self.padding) // self.stride + 1
+        return lo, max(lo, hi)
+
+    def output_origin(self, first_input: int) -> int:
+        """Global output index of position 0 of a padding-free transposed conv that starts at ``first_input``."""
+        return first_input * self.stride - self.padding
 
 
 @dataclass(frozen=True)

@@ -150,6 +150,26 @@ class ParallelModel:
             self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {args[0][0]}")
         return float(loss.detach())
 
+    def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
+        """The loss, the gradient of the input and the summed parameter gradients, without a step.
+
+        What a single process gets from ``loss_fn(model(x), y).backward()``: the evidence, layer
+        by layer, that the distributed backward pass is the single-process one.
+        """
+        plan = self.plan(x)
+        args = self._shard_args(plan, x, None, None, grad="input")
+        with dist_autograd.context() as ctx:
+            results = self.world.wait(self._launch(args), f"forward of call {args[0][0]}")
+            loss = loss_fn(self._assemble(plan, results, grad=True), y)
+            self.world.backward(ctx, loss, f"backward of call {args[0][0]}")
+            parts = self.world.call(worker.gradients, [(self.id, ctx)] * self.world.workers, "reading gradients")
+        input_grad = join_shards([g for g, _ in parts], plan.grid)
+        params: dict[str, torch.Tensor] = {}
+        for _, grads in parts:  # in worker order, as the allreduce would
+            for name, g in grads.items():
+                params[name] = params[name] + g if name in params else g
+        return float(loss.detach()), input_grad, params
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The full output on the driver, without gradients."""
         plan = self.plan(x)

@@ -48,8 +48,10 @@ class Replica:
         self.rt.mailbox.drop_calls_before(call)
         self.path.stack.clear()
         x = mark(x.to(self.rt.device), shape)
+        if grad == "input":  # keep the input shard as a leaf, to read its gradient afterwards
+            self.last_input = x.requires_grad_(True)
         try:
-            with torch.set_grad_enabled(grad), ShardMode(ShardExecutor(grid, call), self.path):
+            with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call), self.path):
                 out = self.model(x)
             if loss_fn is not None:
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
@@ -86,6 +88,13 @@ class Replica:
                 p.grad = None  # unused everywhere: skip, as a single process would
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def gradients(self, context_id: int) -> tuple[torch.Tensor | None, dict]:
+        """This shard's input gradient and this replica's (unreduced) parameter gradients."""
+        grads = dist_autograd.get_gradients(context_id)
+        x = getattr(self, "last_input", None)
+        params = {name: grads[p].cpu() for name, p in self.model.named_parameters() if p in grads}
+        return (grads[x].cpu() if x is not None and x in grads else None), params
 
     def state_dict(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

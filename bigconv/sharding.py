@@ -19,11 +19,13 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .geometry import Window
 
 GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
+REPLICATED_ATTR = "_bigconv_replicated"
+"""Marks a whole spatial map held by every worker: one too small to split over the grid."""
 
 
 class UnsupportedOperation(ValueError):
@@ -37,6 +39,30 @@ def global_shape(t: object) -> tuple[int, ...] | None:
 def mark(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     setattr(t, GLOBAL_SHAPE_ATTR, tuple(shape))
     return t
+
+
+def is_replicated(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, REPLICATED_ATTR, False)
+
+
+def bind(names: Sequence[str], args: Sequence, kwargs: dict) -> dict:
+    """A call's arguments by name (positional first)."""
+    return dict(zip(names, args), **kwargs)
+
+
+def ntuple(value: Any, n: int) -> list:
+    return [value] * n if isinstance(value, int) else list(value) * (n if len(value) == 1 else 1)
+
+
+def with_input(func: Callable, args: Sequence, kwargs: dict) -> Callable:
+    """``func`` as called, with its input tensor replaced."""
+
+    def call(t: torch.Tensor):
+        if args:
+            return func(t, *args[1:], **kwargs)
+        return func(**{**kwargs, "input": t})
+
+    return call
 
 
 class Executor(Protocol):
@@ -78,6 +104,8 @@ class ModulePath:
 
 def _name(func: Callable) -> str:
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    if "<locals>" in qual:  # F.max_pool2d and friends are boolean_dispatch wrappers
+        qual = getattr(func, "__name__", qual)
     if qual.startswith("_TensorBase.") or qual.startswith("TensorBase."):
         qual = "Tensor." + qual.split(".", 1)[1]
     module = getattr(func, "__module__", None) or ""
@@ -106,8 +134,12 @@ class ShardMode(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]
         shapes = {global_shape(t) for t in leaves} - {None}
+        replicated = any(is_replicated(t) for t in leaves)
         if not shapes:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            return self.after_replicated(out) if replicated else out
+        if replicated:  # a small whole map joins a sharded one of its size: use this shard's part
+            args, kwargs = tree_map(lambda t: self.localize(t, shapes), (args, kwargs))
         rule = RULES.get(func)
         if rule is not None:
             return rule(self, func, args, kwargs)
@@ -119,6 +151,44 @@ class ShardMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         raise self.unsupported(func, "it is not a pointwise, convolution or global-pooling operation on a spatially "
                                "sharded tensor", _SPECIFIC_FIXES.get(name, _FIX_GENERIC))
+
+    # -- maps too small for the grid ---------------------------------------------------------------
+    def localize(self, t: Any, shapes: set) -> Any:
+        if not is_replicated(t):
+            return t
+        shape = tuple(t.shape[t.dim() - self.dims:])
+        if shape not in shapes:
+            raise UnsupportedOperation(
+                f"bigconv cannot join, in {self.where()}, a whole map of spatial shape {shape} with maps "
+                f"sharded from {sorted(shapes)}. Join only tensors of the same spatial size")
+        return mark(self.executor.local_part(t, shape), shape)
+
+    def after_replicated(self, out: Any) -> Any:
+        """Outputs of ops on whole maps: shard them again once they are large enough, else keep them whole."""
+        def visit(t):
+            if not isinstance(t, torch.Tensor) or t.dim() < self.dims + 2:
+                return t
+            shape = tuple(t.shape[t.dim() - self.dims:])
+            if self.executor.fits(shape):
+                return mark(self.executor.local_part(t, shape), shape)
+            setattr(t, REPLICATED_ATTR, True)
+            return t
+
+        return tree_map(visit, out)
+
+    def windowed_whole(self, x: torch.Tensor, shape, out_shape, whole: Callable) -> torch.Tensor:
+        """Compute a windowed op on the whole input, on every worker.
+
+        Used when the output is smaller than the grid (deep layers of a U-Net or ResNet): the few
+        positions left are gathered to every worker rather than split into empty shards. Each
+        worker's copy reaches the loss only through its own shard of whatever comes next, so the
+        summed gradient is the single process's; the dry run takes this path for every op.
+        """
+        out = whole(self.executor.gather_all(x, shape))
+        if self.executor.fits(out_shape):
+            return mark(self.executor.local_part(out, out_shape), out_shape)
+        setattr(out, REPLICATED_ATTR, True)
+        return out
 
     # -- helpers used by the rules -------------------------------------------------------------
     def one_shape(self, func: Callable, leaves: list) -> tuple[int, ...]:
@@ -231,18 +301,6 @@ def _reduce(mode: ShardMode, func, args, kwargs, mean: bool):
     return total / count
 
 
-def _adaptive_avg_pool(mode: ShardMode, func, args, kwargs):
-    x = args[0]
-    size = args[1] if len(args) > 1 else kwargs["output_size"]
-    sizes = [size] * mode.dims if isinstance(size, int) or size is None else list(size)
-    if any(s != 1 for s in sizes):
-        raise mode.unsupported(
-            func, f"output size {size} is not a global pooling", "Use output size 1 (global average pooling)."
-        )
-    spatial = sorted(_spatial_dims(mode, x.dim()))
-    return _reduce(mode, torch.mean, (x, spatial, True), {}, mean=True)
-
-
 def _dropout(mode: ShardMode, func, args, kwargs):
     names = ("input", "p", "training", "inplace")
     bound = dict(zip(names, args), **kwargs)
@@ -285,6 +343,9 @@ def _conv(mode: ShardMode, func, args, kwargs):
     def op(region: torch.Tensor, padding=0, bias: bool = True) -> torch.Tensor:
         return func(region, weight, b.get("bias") if bias else None, stride, padding, dilation, groups)
 
+    out_shape = tuple(w.out_size(n) for w, n in zip(windows, shape))
+    if all(m > 0 for m in out_shape) and not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, with_input(func, args, kwargs))
     return mode.executor.windowed(x, shape, windows, op, mode.where())
 
 
@@ -318,9 +379,10 @@ for _f in (torch.sum, torch.Tensor.sum):
     RULES[_f] = lambda mode, func, args, kwargs: _reduce(mode, func, args, kwargs, mean=False)
 for _f in (torch.mean, torch.Tensor.mean):
     RULES[_f] = lambda mode, func, args, kwargs: _reduce(mode, func, args, kwargs, mean=True)
-for _f in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d):
-    RULES[_f] = _adaptive_avg_pool
 for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout):
     RULES[_f] = _dropout
 for _f in (F.conv1d, F.conv2d, F.conv3d):
     RULES[_f] = _conv
+
+
+from . import rules_norm, rules_window  # noqa: E402,F401  (they add their rules to RULES)

@@ -22,6 +22,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(scale, 1e-300) if b.numel() else 0.0
 
 
+def abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item() if b.numel() else 0.0
+
+
 def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                      grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
                      **opt_kwargs) -> dict:
@@ -32,6 +36,13 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     out = net(x)
     with torch.no_grad():
         ref_out = reference(x)
+    # Gradients before any step. Both sides run a training forward here, so buffers such as
+    # running statistics advance alike.
+    _, input_grad, param_grads = net.gradients(x, y, loss_fn)
+    xr = x.detach().clone().requires_grad_(True)
+    loss_fn(reference(xr), y).backward()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    reference.zero_grad(set_to_none=True)
     net.optimizer(optimizer, **opt_kwargs)
     ref_opt = optimizer(reference.parameters(), **opt_kwargs)
     losses, ref_losses = [], []
@@ -46,6 +57,11 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     ref_state = reference.state_dict()
     return {
         "forward": rel_err(out, ref_out),
+        "input_grad": rel_err(input_grad, xr.grad),
+        # Relative to the largest gradient: a bias followed by normalization has an exactly zero
+        # gradient, which both sides compute as rounding noise.
+        "param_grads": max((abs_err(param_grads.get(n, torch.zeros_like(g)), g) for n, g in ref_grads.items()),
+                           default=0.0) / max((g.abs().max().item() for g in ref_grads.values()), default=1.0),
         "loss": max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses)),
         "weights": max(rel_err(replicas[0][k], v) for k, v in ref_state.items()),
         "replicas_equal": all(torch.equal(r[k], replicas[0][k]) for r in replicas for k in ref_state),

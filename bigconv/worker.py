@@ -95,6 +95,10 @@ def step(model_id: int, context_id: int) -> None:
     replica(model_id).step(context_id)
 
 
+def gradients(model_id: int, context_id: int):
+    return replica(model_id).gradients(context_id)
+
+
 def make_optimizer(model_id: int, cls, kwargs: dict) -> None:
     replica(model_id).make_optimizer(cls, kwargs)
 

@@ -1,0 +1,140 @@
+"""Normalization with whole-image statistics: BatchNorm, InstanceNorm, GroupNorm, LayerNorm.
+
+Each shard reduces its own part to (mean, centred sum of squares) per statistic, every shard gets
+every part (``allgather``, differentiable), and all combine them in worker order with the
+parallel-variance formula, so the statistics are the whole image's on every replica and the
+backward pass flows through them exactly as in a single process. Running statistics are updated
+from the combined values, so they end equal on every replica and equal to the single-process ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .sharding import RULES, ShardMode, bind, global_shape, mark
+
+
+def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_dims: list[int]):
+    """Mean and biased variance of ``x`` over ``dims`` across every shard, kept as broadcastable dims.
+
+    ``count_dims`` are the non-spatial reduced dims (their sizes are the same on every shard); the
+    spatial part of each shard's count comes from the geometry, so counts are never exchanged.
+    """
+    from .geometry import all_coords, box_size, shard_box
+
+    base = math.prod(x.shape[d] for d in count_dims)
+    counts = [base * math.prod(box_size(shard_box(shape, mode.executor.grid, c)))
+              for c in all_coords(mode.executor.grid)]
+    mean = x.mean(dim=dims, keepdim=True)
+    m2 = (x - mean).square().sum(dim=dims, keepdim=True)
+    parts = mode.executor.allgather(torch.stack([mean, m2]), "normalization statistics")
+    total = sum(counts)
+    mean_all = sum(n * p[0] for n, p in zip(counts, parts)) / total
+    m2_all = sum(p[1] + n * (p[0] - mean_all).square() for n, p in zip(counts, parts))
+    return mean_all, m2_all / total, total
+
+
+def _normalize(x, mean, var, eps, weight, bias, channel_view):
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if weight is not None:
+        out = out * weight.view(channel_view)
+    if bias is not None:
+        out = out + bias.view(channel_view)
+    return out
+
+
+def _update_running(running: torch.Tensor | None, value: torch.Tensor, momentum: float) -> None:
+    if running is not None:
+        with torch.no_grad():
+            running.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+
+
+_BN_NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+
+
+def _batch_norm(mode: ShardMode, func, args, kwargs):
+    b = bind(_BN_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    training, momentum, eps = b.get("training", False), b.get("momentum", 0.1), b.get("eps", 1e-5)
+    if mode.executor.dry or not training:  # eval: running statistics, a per-channel affine map
+        return mode.tag_outputs(func(*args, **kwargs), shape)
+    spatial = list(range(2, x.dim()))
+    mean, var, total = whole_stats(mode, x, [0] + spatial, shape, [0])
+    view = (1, -1) + (1,) * len(spatial)
+    out = _normalize(x, mean, var, eps, b.get("weight"), b.get("bias"), view)
+    _update_running(b.get("running_mean"), mean.reshape(-1), momentum)
+    _update_running(b.get("running_var"), var.reshape(-1) * (total / max(total - 1, 1)), momentum)
+    return mark(out, shape)
+
+
+_IN_NAMES = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+
+
+def _instance_norm(mode: ShardMode, func, args, kwargs):
+    b = bind(_IN_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    use_input_stats, momentum, eps = b.get("use_input_stats", True), b.get("momentum", 0.1), b.get("eps", 1e-5)
+    if mode.executor.dry or not use_input_stats:
+        return mode.tag_outputs(func(*args, **kwargs), shape)
+    spatial = list(range(2, x.dim()))
+    mean, var, total = whole_stats(mode, x, spatial, shape, [])
+    view = (1, -1) + (1,) * len(spatial)
+    out = _normalize(x, mean, var, eps, b.get("weight"), b.get("bias"), view)
+    # PyTorch updates instance norm's running statistics with the batch mean of per-instance values.
+    _update_running(b.get("running_mean"), mean.reshape(x.shape[:2]).mean(0), momentum)
+    _update_running(b.get("running_var"), (var * (total / max(total - 1, 1))).reshape(x.shape[:2]).mean(0), momentum)
+    return mark(out, shape)
+
+
+_GN_NAMES = ("input", "num_groups", "weight", "bias", "eps")
+
+
+def _group_norm(mode: ShardMode, func, args, kwargs):
+    b = bind(_GN_NAMES, args, kwargs)
+    x, shape, groups = b["input"], global_shape(b["input"]), b["num_groups"]
+    if mode.executor.dry or x.shape[1] % groups:
+        return mode.tag_outputs(func(*args, **kwargs), shape)  # PyTorch raises its own error if indivisible
+    n, c = x.shape[:2]
+    grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
+    dims = list(range(2, grouped.dim()))
+    mean, var, _ = whole_stats(mode, grouped, dims, shape, [2])
+    out = ((grouped - mean) * torch.rsqrt(var + b.get("eps", 1e-5))).reshape(x.shape)
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    if b.get("weight") is not None:
+        out = out * b["weight"].view(view)
+    if b.get("bias") is not None:
+        out = out + b["bias"].view(view)
+    return mark(out, shape)
+
+
+_LN_NAMES = ("input", "normalized_shape", "weight", "bias", "eps")
+
+
+def _layer_norm(mode: ShardMode, func, args, kwargs):
+    b = bind(_LN_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    normalized = list(b["normalized_shape"])
+    if len(normalized) < mode.dims:
+        raise mode.unsupported(
+            func, f"it normalizes over {len(normalized)} of the {mode.dims} spatial dims",
+            "Normalize over all spatial dims, e.g. LayerNorm([C, *spatial]), or use GroupNorm(1, C)")
+    if mode.executor.dry:
+        return mode.tag_outputs(func(*args, **kwargs), shape)
+    dims = list(range(x.dim() - len(normalized), x.dim()))
+    mean, var, _ = whole_stats(mode, x, dims, shape, dims[: len(normalized) - mode.dims])
+    out = (x - mean) * torch.rsqrt(var + b.get("eps", 1e-5))
+    # Elementwise weights vary over the image: each shard uses its own part of them.
+    if b.get("weight") is not None:
+        out = out * mode.executor.local_part(b["weight"], shape)
+    if b.get("bias") is not None:
+        out = out + mode.executor.local_part(b["bias"], shape)
+    return mark(out, shape)
+
+
+RULES[F.batch_norm] = _batch_norm
+RULES[F.instance_norm] = _instance_norm
+RULES[F.group_norm] = _group_norm
+RULES[F.layer_norm] = _layer_norm

@@ -1,0 +1,266 @@
+"""Rules for windowed ops beyond convolution: pooling, transposed convolution, padding, upsampling.
+
+Each rule computes, for this shard's part of the output, exactly what a single process computes
+there: the input it reads is joined from its owners (``region_op``, ``index_map``), and the global
+image border is reproduced explicitly (``-inf`` for max pooling, global divisors for average
+pooling, output padding for transposed convolution). A result whose spatial size would be smaller
+than the grid is computed whole on every worker instead (see ``ShardMode.replicate``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .geometry import TransposedWindow, Window
+from .index_maps import PadMap, Resize, resize_sizes
+from .sharding import RULES, ShardMode, bind, global_shape, mark, ntuple, with_input
+
+
+def _pool_windows(mode: ShardMode, func, b: dict, dilation=1) -> list[Window]:
+    n = mode.dims
+    kernel = ntuple(b["kernel_size"], n)
+    stride = ntuple(b.get("stride") or kernel, n)  # PyTorch: stride None or [] means the kernel size
+    padding, dilation = ntuple(b.get("padding", 0), n), ntuple(dilation, n)
+    ceil = bool(b.get("ceil_mode", False))
+    return [Window(k, s, d, p, p, ceil) for k, s, d, p in zip(kernel, stride, dilation, padding)]
+
+
+def _out_shape(windows, shape):
+    return tuple(w.out_size(n) for w, n in zip(windows, shape))
+
+
+_MAX_NAMES = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+
+
+def _max_pool(mode: ShardMode, func, args, kwargs):
+    b = bind(_MAX_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    if b.get("return_indices", False) or "with_indices" in getattr(func, "__name__", ""):
+        raise mode.unsupported(func, "its indices are positions in the whole image, which no shard holds",
+                               "Use return_indices=False (MaxUnpool is not supported)")
+    windows = _pool_windows(mode, func, b, b.get("dilation", 1))
+    out_shape = _out_shape(windows, shape)
+    whole = with_input(func, args, kwargs)
+    if mode.executor.dry or not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, whole)
+
+    def op(region, plan):
+        k = [w.kernel for w in windows]
+        s = [w.stride for w in windows]
+        d = [w.dilation for w in windows]
+        return func(region, k, s, 0, d, False)
+
+    return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=-math.inf), out_shape)
+
+
+_AVG_NAMES = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+
+
+def _divisors(windows, shape, out_box, count_include_pad: bool) -> list[list[int]]:
+    """Per dim, how many positions each output of ``out_box`` averages over (PyTorch's rule)."""
+    per_dim = []
+    for w, n, (o0, o1) in zip(windows, shape, out_box):
+        counts = []
+        for o in range(o0, o1):
+            start = o * w.stride - w.pad_lo
+            end = min(start + w.kernel, n + w.pad_hi)
+            counts.append(end - start if count_include_pad else min(end, n) - max(start, 0))
+        per_dim.append(counts)
+    return per_dim
+
+
+def _avg_pool(mode: ShardMode, func, args, kwargs):
+    b = bind(_AVG_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    windows = _pool_windows(mode, func, b)
+    out_shape = _out_shape(windows, shape)
+    whole = with_input(func, args, kwargs)
+    if mode.executor.dry or not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, whole)
+    count_include_pad = b.get("count_include_pad", True)
+    override = b.get("divisor_override")
+
+    def op(region, plan):
+        k = [w.kernel for w in windows]
+        # The local window has no padding, so it averages over the whole kernel; rescale to the
+        # divisor the single process uses at this output (different near the border).
+        out = func(region, k, [w.stride for w in windows], 0, False, True)
+        volume = math.prod(k)
+        if override:
+            return out * (volume / override)
+        factor = None
+        for axis, counts in enumerate(_divisors(windows, shape, plan.out_box, count_include_pad)):
+            if all(c == windows[axis].kernel for c in counts):
+                continue
+            view = [1] * out.dim()
+            view[out.dim() - mode.dims + axis] = -1
+            t = torch.tensor(counts, dtype=out.dtype, device=out.device).view(view)
+            factor = t if factor is None else factor * t
+        return out if factor is None else out * (volume / factor)
+
+    return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=0.0), out_shape)
+
+
+def _adaptive(mode: ShardMode, func, args, kwargs, kind: str):
+    x = args[0]
+    shape = global_shape(x)
+    size = args[1] if len(args) > 1 else kwargs["output_size"]
+    sizes = [size] * mode.dims if isinstance(size, int) or size is None else list(size)
+    sizes = [n if s is None else s for s, n in zip(sizes, shape)]
+    return_indices = (args[2] if len(args) > 2 else kwargs.get("return_indices", False)) if kind == "max" else False
+    if return_indices:
+        raise mode.unsupported(func, "its indices are positions in the whole image, which no shard holds",
+                               "Use return_indices=False")
+    whole = with_input(func, args, kwargs)
+    if all(s == 1 for s in sizes) and kind == "avg":
+        spatial = list(range(x.dim() - mode.dims, x.dim()))
+        return RULES[torch.mean](mode, torch.mean, (x, spatial, True), {})
+    if all(n % s == 0 for n, s in zip(shape, sizes)):
+        # Equal windows: adaptive pooling is plain pooling with kernel = stride = n / size.
+        kernel = [n // s for n, s in zip(shape, sizes)]
+        plain = {1: (F.avg_pool1d, F.max_pool1d), 2: (F.avg_pool2d, F.max_pool2d),
+                 3: (F.avg_pool3d, F.max_pool3d)}[mode.dims][kind == "max"]
+        rule = _avg_pool if kind == "avg" else _max_pool
+        return rule(mode, plain, (x, kernel, kernel), {})
+    # Unequal windows overlap irregularly: compute on the whole (small) map, on every worker.
+    return mode.windowed_whole(x, shape, tuple(sizes), whole)
+
+
+_CONVT_NAMES = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+
+
+def _conv_transpose(mode: ShardMode, func, args, kwargs):
+    b = bind(_CONVT_NAMES, args, kwargs)
+    x, weight, bias = b["input"], b["weight"], b.get("bias")
+    shape = global_shape(x)
+    n = mode.dims
+    if weight.dim() - 2 != n:
+        raise mode.unsupported(func, f"it is {weight.dim() - 2}D on a {n}D grid",
+                               "Use a grid with one axis per spatial dim.")
+    kernel = weight.shape[2:]
+    stride, padding = ntuple(b.get("stride", 1), n), ntuple(b.get("padding", 0), n)
+    out_pad, dilation = ntuple(b.get("output_padding", 0), n), ntuple(b.get("dilation", 1), n)
+    groups = b.get("groups", 1)
+    windows = [TransposedWindow(k, s, d, p, op) for k, s, d, p, op in zip(kernel, stride, dilation, padding, out_pad)]
+    out_shape = _out_shape(windows, shape)
+    whole = with_input(func, args, kwargs)
+    if mode.executor.dry or not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, whole)
+
+    def op(region, plan):
+        lead = x.shape[: x.dim() - n]
+        size = tuple(b_ - a for a, b_ in plan.out_box)
+        if region is None:  # only output padding here: no input writes into this shard
+            out = weight.new_zeros((*lead[:-1], weight.shape[1] * groups, *size))
+        else:
+            out = func(region, weight, None, stride, 0, 0, groups, dilation)
+            pads = []
+            for axis, (w, (o0, o1), (i0, _)) in enumerate(zip(windows, plan.out_box, plan.need)):
+                start = o0 - w.output_origin(i0)
+                have = out.shape[out.dim() - n + axis]
+                pads.append((start, have - start - (o1 - o0)))
+            # Negative pads crop; a positive high pad is the output padding, which no input reaches.
+            out = F.pad(out, [-p for lo_hi in reversed(pads) for p in lo_hi])
+        if bias is not None:
+            out = out + bias.view(-1, *([1] * n))
+        return out
+
+    return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=None), out_shape)
+
+
+def _apply_taps(region: torch.Tensor, taps, dims: int) -> torch.Tensor:
+    out = region
+    for axis, axis_taps in enumerate(taps):
+        dim = out.dim() - dims + axis
+        total = None
+        for idx, weights in axis_taps:
+            index = torch.tensor(idx, dtype=torch.long, device=out.device)
+            picked = out.index_select(dim, index)
+            if weights is not None:
+                view = [1] * out.dim()
+                view[dim] = -1
+                picked = picked * torch.tensor(weights, dtype=out.dtype, device=out.device).view(view)
+            total = picked if total is None else total + picked
+        out = total
+    return out
+
+
+def _index_map(mode: ShardMode, x, shape, maps, whole):
+    out_shape = tuple(m.n_out for m in maps)
+    if mode.executor.dry or not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, whole)
+    out = mode.executor.index_map(x, shape, maps, lambda r, t: _apply_taps(r, t, mode.dims), mode.where())
+    return mark(out, out_shape)
+
+
+_PAD_NAMES = ("input", "pad", "mode", "value")
+
+
+def _pad(mode: ShardMode, func, args, kwargs):
+    b = bind(_PAD_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    pad, kind = list(b["pad"]), b.get("mode", "constant") or "constant"
+    value = b.get("value") or 0.0
+    whole = with_input(func, args, kwargs)
+    if len(pad) % 2 or len(pad) // 2 > x.dim():
+        return whole(x)  # let PyTorch raise its own error
+    per_dim = [(0, 0)] * (x.dim() - len(pad) // 2) + [(pad[2 * i], pad[2 * i + 1]) for i in
+                                                        reversed(range(len(pad) // 2))]
+    lead, spatial = per_dim[: x.dim() - mode.dims], per_dim[x.dim() - mode.dims:]
+    if any(p != (0, 0) for p in lead):
+        raise mode.unsupported(func, "it pads the batch or channel dims of a sharded tensor",
+                               "Pad only spatial dims.")
+    if kind == "constant":
+        windows = [Window(1, 1, 1, lo, hi) for lo, hi in spatial]
+        out_shape = _out_shape(windows, shape)
+        if mode.executor.dry or not mode.executor.fits(out_shape):
+            return mode.windowed_whole(x, shape, out_shape, whole)
+        out = mode.executor.region_op(x, shape, windows, lambda region, plan: region, whole, mode.where(),
+                                      fill=value)
+        return mark(out, out_shape)
+    if any(lo < 0 or hi < 0 for lo, hi in spatial):
+        raise mode.unsupported(func, f"negative padding in mode {kind!r}", "Crop with mode='constant' first.")
+    if kind == "reflect" and any(max(lo, hi) >= n for (lo, hi), n in zip(spatial, shape)):
+        return whole(x)  # PyTorch's own error: reflection needs padding < size
+    maps = [PadMap(n, lo, hi, kind) for (lo, hi), n in zip(spatial, shape)]
+    return _index_map(mode, x, shape, maps, whole)
+
+
+_INTERP_NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+_LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
+
+
+def _interpolate(mode: ShardMode, func, args, kwargs):
+    b = bind(_INTERP_NAMES, args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    kind = b.get("mode", "nearest")
+    whole = with_input(func, args, kwargs)
+    if kind not in ("nearest", "nearest-exact") and kind not in _LINEAR:
+        raise mode.unsupported(func, f"mode {kind!r} is not supported on sharded tensors",
+                               "Use mode 'nearest', 'nearest-exact', 'linear', 'bilinear' or 'trilinear'")
+    if kind in _LINEAR and _LINEAR[kind] != mode.dims:
+        return whole(x)  # PyTorch's own error for a mode of the wrong rank
+    sizes, scales = resize_sizes(shape, b.get("size"), b.get("scale_factor"), b.get("recompute_scale_factor"))
+    if b.get("antialias") and any(s < n for s, n in zip(sizes, shape)):
+        raise mode.unsupported(func, "antialiased downsampling", "Use antialias=False, or pool instead")
+    tap_mode = "linear" if kind in _LINEAR else kind
+    maps = [Resize(n, s, tap_mode, bool(b.get("align_corners")), sc) for n, s, sc in zip(shape, sizes, scales)]
+    return _index_map(mode, x, shape, maps, whole)
+
+
+for _f in (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool1d_with_indices, F.max_pool2d_with_indices,
+           F.max_pool3d_with_indices):
+    RULES[_f] = _max_pool
+for _f in (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d):
+    RULES[_f] = _avg_pool
+for _f in (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d):
+    RULES[_f] = lambda mode, func, args, kwargs: _adaptive(mode, func, args, kwargs, "avg")
+for _f in (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d):
+    RULES[_f] = lambda mode, func, args, kwargs: _adaptive(mode, func, args, kwargs, "max")
+for _f in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
+    RULES[_f] = _conv_transpose
+RULES[F.pad] = _pad
+RULES[F.interpolate] = _interpolate
