@@ -1,0 +1,180 @@
+"""Worker side of ``multidsn.parallelize``: the parts a worker holds and the RPC entry points.
+
+State lives in ``_PARTS`` (one ``WorkerPart`` per installed model), in the worker process. The entry
+points are module-level functions, so RPC pickles them by name. Gradients are read from the
+driver's distributed-autograd context and **summed** over the holders of a replicated module (in
+one process, the shared encoder's gradient is the sum of every domain's contribution).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.nn as nn
+
+from bigconv import transport
+
+from .config import DSNConfig
+from .model import head_terms, reconstruction_term, separation_terms
+
+_PARTS: dict[int, "WorkerPart"] = {}
+
+
+class WorkerPart:
+    """The modules of one DSN that this worker holds, by ``DSN.state_dict`` prefix."""
+
+    def __init__(self, cfg: DSNConfig, modules: dict[str, nn.Module], groups: dict[str, object]) -> None:
+        self.device = transport.runtime().device
+        self.cfg = cfg
+        self.modules = {name: m.to(self.device) for name, m in modules.items()}
+        self.groups = groups
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.stash: dict[tuple[int, int], torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+    def module(self, name: str) -> nn.Module:
+        if name not in self.modules:
+            raise RuntimeError(f"worker{transport.runtime().index} does not hold {name}; it holds "
+                               f"{sorted(self.modules)}")
+        return self.modules[name]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for name in sorted(self.modules) for p in self.modules[name].parameters()]
+
+    def keep(self, call: int, domain: int, code: torch.Tensor) -> None:
+        with self.lock:
+            for key in [k for k in self.stash if k[0] < call]:  # leftovers of a failed earlier step
+                del self.stash[key]
+            self.stash[(call, domain)] = code
+
+    def take(self, call: int, domain: int) -> torch.Tensor | None:
+        with self.lock:
+            return self.stash.pop((call, domain), None)
+
+    def step(self, context_id: int, took_part: bool) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("no optimizer: call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+        grads = dist_autograd.get_gradients(context_id) if took_part else {}
+        for name in sorted(self.modules):
+            params = list(self.modules[name].parameters())
+            if name in self.groups:
+                self._sum_over_replicas(params, grads, self.groups[name])
+            else:
+                for p in params:
+                    p.grad = grads[p].clone() if p in grads else None
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def _sum_over_replicas(params: list[nn.Parameter], grads: dict, group) -> None:
+        # One flat message per module: the gradients, then a 1 per parameter this replica has a gradient for.
+        # A parameter that no replica used keeps grad None, so the optimizer skips it as a single process would.
+        flat = torch.cat([grads[p].reshape(-1) if p in grads else torch.zeros_like(p).reshape(-1) for p in params]
+                         + [torch.tensor([float(p in grads) for p in params], dtype=params[0].dtype,
+                                         device=params[0].device)])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        seen = flat[-len(params):].tolist()
+        for p, count in zip(params, seen):
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone() if count > 0 else None
+            offset += p.numel()
+
+
+def part(model_id: int) -> WorkerPart:
+    if model_id not in _PARTS:
+        raise RuntimeError(f"worker{transport.runtime().index} holds no part of DSN model {model_id}")
+    return _PARTS[model_id]
+
+
+# -- RPC entry points (run on a worker) -------------------------------------------------------------
+def install(model_id: int, cfg: DSNConfig, payload: bytes | None, group_ranks: dict[str, list[int]]) -> None:
+    """Install this worker's modules. Called on every worker: creating a process group is collective
+    over the whole default group, so idle workers take part in it too (in the same order)."""
+    mine = {}
+    for name in sorted(group_ranks):
+        with warnings.catch_warnings():  # torch's own deprecation notice about its internal gloo wrapper
+            warnings.simplefilter("ignore", UserWarning)
+            group = dist.new_group(group_ranks[name])
+        if transport.runtime().index in group_ranks[name]:
+            mine[name] = group
+    if payload is not None:
+        _PARTS[model_id] = WorkerPart(cfg, pickle.loads(payload), mine)
+
+
+def uninstall(model_id: int) -> None:
+    _PARTS.pop(model_id, None)
+
+
+def encode(model_id: int, call: int, domain: int, which: str, x: torch.Tensor, keep: bool, grad: bool = True):
+    """The shared or private code of ``x`` (a domain's batch). ``keep`` stores it here for a later
+    ``separate`` of the same step instead of sending it (the private code never leaves its worker)."""
+    p = part(model_id)
+    name = "shared_encoder" if which == "shared" else f"private_encoders.{domain}"
+    with torch.set_grad_enabled(grad):
+        code = p.module(name)(x.to(p.device))
+    if keep:
+        p.keep(call, domain, code)
+        return None
+    return code.cpu()
+
+
+def separate(model_id: int, call: int, domain: int, x: torch.Tensor, shared_code: torch.Tensor | None,
+             decoder_here: bool, give_shared: bool, give_private: bool):
+    """One domain's separation losses: (shared code or None, private code or None, terms).
+
+    ``terms`` is [recon, difference] with the decoder here, else [difference]. The shared code is made
+    here when not given; the private code comes from this step's ``encode(keep=True)`` or is made here.
+    Codes are returned only when another worker consumes them (an unused send would stall FAST-mode
+    distributed autograd).
+    """
+    p = part(model_id)
+    x = x.to(p.device)
+    h_c = p.module("shared_encoder")(x) if shared_code is None else shared_code.to(p.device)
+    h_p = p.take(call, domain)
+    if h_p is None:
+        h_p = p.module(f"private_encoders.{domain}")(x)
+    terms = separation_terms(p.cfg, x, h_c, h_p, p.module("decoder") if decoder_here else None)
+    return (h_c.cpu() if give_shared else None, h_p.cpu() if give_private else None, terms.cpu())
+
+
+def head(model_id: int, shared_codes: list[torch.Tensor], labels: torch.Tensor,
+         reconstruct: list[tuple[torch.Tensor, torch.Tensor]] | None):
+    """(head terms [task] or [task, similarity], reconstruction losses per domain or None).
+
+    ``reconstruct`` holds (images, private code) per domain when the decoder lives here."""
+    p = part(model_id)
+    codes = [c.to(p.device) for c in shared_codes]
+    dc = p.modules.get("domain_classifier")
+    out = head_terms(p.cfg, p.module("classifier"), dc, codes, labels.to(p.device))
+    recon = None
+    if reconstruct is not None:
+        decoder = p.module("decoder")
+        recon = torch.stack([reconstruction_term(x.to(p.device), h_c, h_p.to(p.device), decoder)
+                             for (x, h_p), h_c in zip(reconstruct, codes)]).cpu()
+    return out.cpu(), recon
+
+
+def classify(model_id: int, shared_codes: torch.Tensor) -> torch.Tensor:
+    p = part(model_id)
+    with torch.no_grad():
+        return p.module("classifier")(shared_codes.to(p.device)).cpu()
+
+
+def make_optimizer(model_id: int, cls, kwargs: dict) -> None:
+    p = part(model_id)
+    p.optimizer = cls(p.parameters(), **kwargs)
+
+
+def step(model_id: int, context_id: int, took_part: bool) -> None:
+    part(model_id).step(context_id, took_part)
+
+
+def state_dict(model_id: int) -> dict[str, torch.Tensor]:
+    p = part(model_id)
+    return {f"{name}.{k}": v.detach().cpu().clone()
+            for name in sorted(p.modules) for k, v in p.modules[name].state_dict().items()}
