@@ -64,7 +64,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset(name="fig4_cnn3d", figure="Figure 4: CNN3D memory and utilization vs volume edge", model="cnn3d",
            full=Scale(sizes=[64, 96, 128, 170, 200, 256, 300, 350, 400], workers=[9, 28],
                       maxsize_workers=[1, 2, 4, 8, 9, 27], budget_bytes=16 * GiB),
-           quick=Scale(sizes=[48, 80, 112], workers=_QUICK_W, maxsize_workers=_QUICK_W,
+           quick=Scale(sizes=[64, 112, 160], workers=_QUICK_W, maxsize_workers=_QUICK_W,
                        budget_bytes=256 * MiB, device="cpu")),
 )}
 

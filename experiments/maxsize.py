@@ -1,0 +1,175 @@
+"""The largest input that trains within a per-worker memory budget, per worker count, by search.
+
+    python -m experiments.maxsize --model cnn2d --workers 1,2,4,8 --budget 16GiB
+    python -m experiments.maxsize --preset fig3_cnn2d --quick    # -> results/fig3_cnn2d_quick_maxsize.jsonl
+
+- GPU: the budget is enforced in every process with ``torch.cuda.set_per_process_memory_fraction``
+  (one large GPU stands in for N smaller ones); a size fits when its run ends ``ok``.
+- CPU: a size fits when its run ends ``ok`` with every worker's measured peak (RSS above the warm
+  idle baseline) within the budget.
+
+Each probe is one configuration in fresh processes (``experiments.runner``), recorded with
+``purpose: maxsize``; a rerun reuses the probes already in the file. The search predicts the next
+edge from the measured peaks (peak ~ a + b * elements), then brackets and bisects until the edges
+that fit and fail are within ``--tolerance`` of each other. One ``maxsize`` record per worker count
+holds the answer and its probes. The plain single process (``workers`` 0) is searched too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, replace
+
+from experiments import presets, records, registry
+from experiments.runner import RunConfig, run_fresh
+from experiments.sweep import int_list, label, parse_amount, summary
+
+MiB = 2**20
+
+
+def fits(rec: dict, budget: int) -> bool:
+    if rec["status"] != "ok":
+        return False
+    return rec["device"] == "cuda" or rec["peak_bytes_max"] <= budget
+
+
+def predict(probes: dict[int, dict], budget: int, dims: int) -> float | None:
+    """The edge whose peak the two nearest measured probes put at the budget (None: no peaks yet)."""
+    pts = sorted((s ** dims, r["peak_bytes_max"]) for s, r in probes.items()
+                 if r["status"] == "ok" and r.get("peak_bytes_max"))
+    if not pts:
+        return None
+    if len(pts) == 1:
+        a, b = 0.0, pts[0][1] / pts[0][0]
+    else:
+        near = sorted(pts, key=lambda p: abs(p[1] - budget))[:2]
+        (e0, p0), (e1, p1) = sorted(near)
+        b = (p1 - p0) / (e1 - e0) if e1 != e0 and p1 > p0 else p1 / e1
+        a = p1 - b * e1
+    return max(1.0, (0.995 * budget - a) / b) ** (1 / dims)
+
+
+def search(base: RunConfig, budget: int, start: int, *, out: str, tolerance: float = 0.02, max_probes: int = 9,
+           runner=run_fresh, echo=print) -> dict:
+    """Largest fitting edge for ``base.workers``; the ``maxsize`` record (also appended to ``out``)."""
+    spec = registry.spec(base.model)
+    q = spec.edge_multiple(base.depth)
+    done = records.recorded_keys(out)
+    probes: dict[int, dict] = {}
+    size = spec.round_size(start, base.depth)
+    for _ in range(max_probes):
+        cfg = replace(base, size=size)
+        rec = done.get(records.config_key(asdict(cfg)))
+        if rec is None:
+            echo(f"  probe {label(cfg)} ...")
+            rec = {**runner(cfg), "purpose": "maxsize"}
+            records.append(out, rec)
+        probes[size] = rec
+        ok = fits(rec, budget)
+        echo(f"  {label(cfg)}: {summary(rec)} -> {'fits' if ok else 'does not fit'}")
+        lo = max((s for s, r in probes.items() if fits(r, budget)), default=None)
+        hi = min((s for s, r in probes.items() if not fits(r, budget)), default=None)
+        step = max(q, int(tolerance * (lo or size)))
+        if lo is not None and hi is not None and hi - lo <= step:
+            break
+        guess = predict(probes, budget, spec.dims)
+        if lo is not None and hi is not None:
+            nxt = guess if guess is not None and lo + step <= guess <= hi - step else (lo + hi) / 2
+            if hi - lo <= 2 * step:
+                nxt = lo + step
+        elif lo is not None:  # only fits so far: go up, at least a step
+            nxt = max(guess or 2 * lo, lo + step)
+        else:  # only failures: go down
+            nxt = min(guess or hi / 2, hi * 0.7) if guess is None or guess < hi else hi * 0.7
+        size = spec.round_size(int(nxt), base.depth)
+        if size in probes:  # rounding landed on a known edge
+            size = size + q if lo is not None and size <= lo else max(q, size - q)
+            if size in probes:
+                break
+    lo = max((s for s, r in probes.items() if fits(r, budget)), default=None)
+    hi = min((s for s, r in probes.items() if not fits(r, budget)), default=None)
+    best = probes.get(lo) if lo else None
+    result = {"kind": "maxsize", "model": base.model, "dims": spec.dims, "batch": base.batch,
+              "workers": base.workers, "device": base.device, "budget_bytes": budget,
+              "judged_by": "cuda_memory_fraction" if base.device == "cuda" else "measured_peak_rss",
+              "max_size": lo, "max_elements": lo ** spec.dims if lo else None, "first_failing_size": hi,
+              "peak_bytes_at_max": best["peak_bytes_max"] if best else None,
+              "probes": [{"size": s, "status": r["status"], "peak_bytes_max": r.get("peak_bytes_max"),
+                          "fits": fits(r, budget)} for s, r in sorted(probes.items())],
+              "config": asdict(base), "env": (best or next(iter(probes.values())))["env"],
+              "torch": (best or next(iter(probes.values())))["torch"],
+              "commit": (best or next(iter(probes.values())))["commit"], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    records.append(out, result)
+    return result
+
+
+def report(results: list[dict]) -> list[str]:
+    """A markdown table against the target: elements(N) >= 0.85 * N * elements(1 worker)."""
+    one = next((r for r in results if r["workers"] == 1 and r["max_elements"]), None)
+    rows = ["| workers | largest edge | elements | x 1 worker | target 0.85 N | meets |", "|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["workers"]):
+        if not r["max_elements"]:
+            rows.append(f"| {r['workers'] or 'single process'} | none fits | | | | |")
+            continue
+        ratio = r["max_elements"] / one["max_elements"] if one else None
+        target = 0.85 * r["workers"] if r["workers"] else None
+        meets = "" if ratio is None or target is None else ("yes" if ratio >= target else "no")
+        rows.append(f"| {r['workers'] or 'single process'} | {r['max_size']} | {r['max_elements']} | "
+                    f"{'' if ratio is None else f'{ratio:.2f}'} | {'' if target is None else f'{target:.2f}'} | "
+                    f"{meets} |")
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(presets.PRESETS))
+    parser.add_argument("--quick", action="store_true", help="the preset's 2-core CPU scale")
+    parser.add_argument("--model", choices=sorted(registry.MODELS), default=None)
+    parser.add_argument("--workers", type=int_list, default=None, help="worker counts, e.g. 1,2,4,8")
+    parser.add_argument("--budget", type=parse_amount, default=None, help="per-worker memory, e.g. 16GiB")
+    parser.add_argument("--start", type=parse_amount, default=None, help="first edge to probe (default: a guess)")
+    parser.add_argument("--out", default=None, help="default results/<preset or model>[_quick]_maxsize.jsonl")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain single-process search")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--tolerance", type=float, default=0.02, help="relative edge precision")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per probe")
+    args = parser.parse_args(argv)
+    scale = presets.preset(args.preset).scale(args.quick) if args.preset else None
+    model = presets.preset(args.preset).model if args.preset else args.model
+    if model is None:
+        parser.error("give --preset or --model")
+    workers = args.workers or (scale.maxsize_workers if scale else [1, 2, 4, 8])
+    budget = args.budget or (scale.budget_bytes if scale else None)
+    if budget is None:
+        parser.error("give --budget (e.g. 16GiB)")
+    import torch
+
+    device = args.device or (scale.device if scale else ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = args.out or f"results/{args.preset or model}{'_quick' if args.quick else ''}_maxsize.jsonl"
+    spec = registry.spec(model)
+    start = args.start or (min(scale.sizes) if scale else 64 * spec.edge_multiple(args.depth))
+    base = RunConfig(model=model, workers=0, size=spec.round_size(start, args.depth), batch=args.batch or
+                     (scale.batch if scale else 1), width=args.width, depth=args.depth, steps=args.steps,
+                     device=device, budget_bytes=budget if device == "cuda" else None, timeout_s=args.timeout)
+    print(f"{model}: largest input within {budget / MiB:.0f} MiB per worker on {device}, workers {workers} -> {out}",
+          flush=True)
+    results, prev = [], None
+    for n in ([] if args.no_plain else [0]) + sorted(set(workers) - {0}):
+        guess = start if prev is None else int(prev["max_size"] * (n / max(1, prev["workers"])) ** (1 / spec.dims))
+        print(f"{'single process' if n == 0 else f'{n} workers'}:", flush=True)
+        r = search(replace(base, workers=n), budget, guess, out=out, tolerance=args.tolerance,
+                   echo=lambda s: print(s, flush=True))
+        print(f"  largest: {r['max_size']} (first failing {r['first_failing_size']})", flush=True)
+        results.append(r)
+        if r["max_size"] and n:
+            prev = r
+    print("\n".join(report(results)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Draw every figure the given results files support (see ``plots.study``).
+
+    python -m plots results/*.jsonl --out figures/
+
+Files without sweep or size-search records (e.g. the core benchmark's, drawn by ``plots.core``)
+are passed over with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from experiments import records
+from plots.study import draw_file
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="JSON-lines results files")
+    parser.add_argument("--out", default="figures", help="output folder")
+    args = parser.parse_args(argv)
+    for path in args.results:
+        paths = draw_file(path, records.load(path), args.out)
+        if not paths:
+            print(f"{path}: no sweep or size-search records; skipped")
+        for p in paths:
+            print(p)
+
+
+if __name__ == "__main__":
+    main()
