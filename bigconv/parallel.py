@@ -56,6 +56,18 @@ class _PickFirst(torch.autograd.Function):
         return (grad,) + tuple(torch.zeros_like(grad) for _ in range(ctx.n - 1))
 
 
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """The model on meta tensors for the dry run; scalar buffers stay real, because forward code
+    may read them (BatchNorm with momentum=None divides by ``num_batches_tracked``)."""
+    meta = copy.deepcopy(model)
+    scalars = {name: buf for name, buf in meta.named_buffers() if buf.dim() == 0}
+    meta.to("meta")
+    for name, buf in scalars.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(meta.get_submodule(owner) if owner else meta, attr, buf)
+    return meta
+
+
 class ParallelModel:
     """A model whose forward and training run on the workers of a ``World``."""
 
@@ -70,7 +82,7 @@ class ParallelModel:
         self.grid = validate_grid(grid, world.workers) if grid is not None else None
         self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
         self.training = model.training
-        self._meta = copy.deepcopy(model).to("meta")
+        self._meta = _meta_copy(model)
         self._meta_path = ModulePath(self._meta)
         self._plans: dict[tuple, Plan] = {}
         self._calls = itertools.count(1)

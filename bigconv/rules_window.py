@@ -91,15 +91,18 @@ def _avg_pool(mode: ShardMode, func, args, kwargs):
         volume = math.prod(k)
         if override:
             return out * (volume / override)
-        factor = None
+        divisor, uniform = None, 1
         for axis, counts in enumerate(_divisors(windows, shape, plan.out_box, count_include_pad)):
-            if all(c == windows[axis].kernel for c in counts):
+            if all(c == counts[0] for c in counts):
+                uniform *= counts[0]
                 continue
             view = [1] * out.dim()
             view[out.dim() - mode.dims + axis] = -1
             t = torch.tensor(counts, dtype=out.dtype, device=out.device).view(view)
-            factor = t if factor is None else factor * t
-        return out if factor is None else out * (volume / factor)
+            divisor = t if divisor is None else divisor * t
+        if divisor is None:
+            return out if uniform == volume else out * (volume / uniform)
+        return out * (volume / (divisor * uniform))
 
     return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=0.0), out_shape)
 

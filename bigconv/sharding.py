@@ -218,7 +218,7 @@ _FLATTEN_FIX = "Flatten or reshape only after global pooling (e.g. AdaptiveAvgPo
 _SPECIFIC_FIXES = {
     "linear": "Apply Linear after global pooling (AdaptiveAvgPoolNd(1) + Flatten), or use a 1x1 convolution to mix "
               "channels per position",
-    "reshape": _FLATTEN_FIX, "view": _FLATTEN_FIX, "flatten": _FLATTEN_FIX,
+    "reshape": _FLATTEN_FIX, "view": _FLATTEN_FIX,
 }
 
 
@@ -301,6 +301,21 @@ def _reduce(mode: ShardMode, func, args, kwargs, mean: bool):
     return total / count
 
 
+def _flatten(mode: ShardMode, func, args, kwargs):
+    b = bind(("input", "start_dim", "end_dim"), args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    start, end = b.get("start_dim", 0) % x.dim(), b.get("end_dim", -1) % x.dim()
+    spatial = _spatial_dims(mode, x.dim())
+    if not spatial & set(range(start, end + 1)):
+        return mode.tag_outputs(func(*args, **kwargs), shape)
+    if end != x.dim() - 1:
+        raise mode.unsupported(func, "it merges spatial dims into others but keeps some after them",
+                               "Flatten through the last dim (end_dim=-1)")
+    # A flatten into a dense head (VGG-style): the map is gathered whole on every worker, exactly
+    # as a single process sees it; only worker 0's copy reaches the loss.
+    return func(mode.executor.gather_all(x, shape), *args[1:], **kwargs)
+
+
 def _dropout(mode: ShardMode, func, args, kwargs):
     names = ("input", "p", "training", "inplace")
     bound = dict(zip(names, args), **kwargs)
@@ -379,6 +394,8 @@ for _f in (torch.sum, torch.Tensor.sum):
     RULES[_f] = lambda mode, func, args, kwargs: _reduce(mode, func, args, kwargs, mean=False)
 for _f in (torch.mean, torch.Tensor.mean):
     RULES[_f] = lambda mode, func, args, kwargs: _reduce(mode, func, args, kwargs, mean=True)
+for _f in (torch.flatten, torch.Tensor.flatten):
+    RULES[_f] = _flatten
 for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout):
     RULES[_f] = _dropout
 for _f in (F.conv1d, F.conv2d, F.conv3d):
