@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed.rpc as rpc
 
-from bigconv import World, WorkerFailure
+from bigconv import WorkerFailure, World
 from bigconv.transport import worker_name
 from bigconv.world import remote_summary
 

@@ -1,0 +1,56 @@
+"""One interface for training and inspecting a DSN in one process or across a World, so that the CLI and
+the benchmark run both the same way: ``step(batch) -> LossTerms``, ``predict``, ``codes``, ``state_dict``."""
+
+from __future__ import annotations
+
+import torch
+
+from .batch import Batch
+from .model import DSN, LossTerms
+from .parallel import DistributedDSN, parallelize
+
+
+class LocalDSN:
+    """A DSN and its optimizer in this process, counting steps from 0 like ``DistributedDSN``."""
+
+    def __init__(self, dsn: DSN) -> None:
+        self.dsn, self.cfg, self.steps = dsn, dsn.cfg, 0
+        self.opt: torch.optim.Optimizer | None = None
+
+    def optimizer(self, cls: type, **kwargs) -> None:
+        self.opt = cls(self.dsn.parameters(), **kwargs)
+
+    def train_step_terms(self, batch: Batch) -> LossTerms:
+        if self.opt is None:
+            raise ValueError("call optimizer(torch.optim.SGD, lr=...) before train_step")
+        self.opt.zero_grad(set_to_none=True)
+        terms = self.dsn.loss_terms(batch, self.steps)
+        terms.total.backward()
+        self.opt.step()
+        self.steps += 1
+        return LossTerms(terms.total.detach(), terms.task, terms.recon, terms.difference, terms.similarity)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, domain: int = 0, batch_size: int = 256) -> torch.Tensor:
+        dtype = next(self.dsn.parameters()).dtype
+        return torch.cat([self.dsn(c.to(dtype)) for c in torch.split(x, batch_size)])
+
+    @torch.no_grad()
+    def codes(self, x: torch.Tensor, domain: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dsn.codes(x.to(next(self.dsn.parameters()).dtype), domain)
+
+    def state_dict(self) -> dict:
+        return self.dsn.state_dict()
+
+    def close(self) -> None:
+        pass
+
+
+def make_trainer(dsn: DSN, world=None, placement: str = "single", decoder: str = "domain",
+                 head: str = "separate") -> LocalDSN | DistributedDSN:
+    """``placement="single"``: in this process; otherwise ``multidsn.parallelize`` on ``world``."""
+    if placement == "single":
+        return LocalDSN(dsn)
+    if world is None:
+        raise ValueError(f"placement={placement!r} needs a bigconv.World")
+    return parallelize(dsn, world, placement=placement, decoder=decoder, head=head)
