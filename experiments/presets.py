@@ -65,7 +65,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            full=Scale(sizes=[64, 96, 128, 170, 200, 256, 300, 350, 400], workers=[9, 28],
                       maxsize_workers=[1, 2, 4, 8, 9, 27], budget_bytes=16 * GiB),
            quick=Scale(sizes=[64, 112, 160], workers=_QUICK_W, maxsize_workers=_QUICK_W,
-                       budget_bytes=256 * MiB, device="cpu")),
+                       budget_bytes=128 * MiB, device="cpu")),
 )}
 
 

@@ -121,11 +121,14 @@ def run_plain(cfg: RunConfig) -> dict:
             "budget": budget, "per_worker": [per]}
 
 
-def run_world(cfg: RunConfig) -> dict:
+def run_world(cfg: RunConfig, world=None) -> dict:
+    """On ``world`` (one launched by a cluster launcher), or on a fresh local World of ``cfg.workers``."""
     import bigconv
     from experiments.workload import train_distributed
 
     w = _workload(cfg)
+    if world is not None:
+        return train_distributed(w, world, grid=cfg.grid, record=cfg.record, budget_bytes=cfg.budget_bytes)
     threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     with bigconv.World(workers=cfg.workers, device=cfg.device, threads_per_worker=threads,
                        timeout=max(60.0, cfg.timeout_s / 3)) as world:
@@ -145,12 +148,12 @@ def describe(cfg: RunConfig) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def run_here(cfg: RunConfig) -> dict:
-    """Run ``cfg`` in this process (and its workers); the full record, whatever happens."""
+def run_here(cfg: RunConfig, world=None) -> dict:
+    """Run ``cfg`` in this process (and its workers, or on ``world``); the full record, whatever happens."""
     record = describe(cfg)
     t0 = time.perf_counter()
     try:
-        r = run_plain(cfg) if cfg.workers == 0 else run_world(cfg)
+        r = run_plain(cfg) if cfg.workers == 0 else run_world(cfg, world)
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
         record.update(status=classify(text + repr(exc.__cause__)), message=text[-2000:],

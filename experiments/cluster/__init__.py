@@ -1,0 +1,1 @@
+"""Cluster launch scripts (LSF/jsrun, SLURM/srun, torchrun) and the entry point every rank runs."""
