@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     w = args.width
     cfg = DSNConfig(image_size=args.image_size, channels=3, num_classes=10, num_targets=args.targets,
                     code_size=args.code_size, shared_widths=(w, 2 * w), private_widths=(max(1, w // 2), w),
-                    decoder_widths=(w, max(1, w // 2)), classifier_hidden=4 * w, similarity=args.similarity, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
-                    warmup_steps=warmup)
+                    decoder_widths=(w, max(1, w // 2)), classifier_hidden=4 * w, similarity=args.similarity,
+                    alpha=args.alpha, beta=args.beta, gamma=args.gamma, warmup_steps=warmup)
     source, targets = load_data(args)
     baseline_cfg = DSNConfig(**{**cfg.__dict__, "warmup_steps": args.steps})  # task loss only, throughout
     world = None

@@ -27,7 +27,8 @@ def batch_for(cfg, n=4, dtype=torch.float32, seed=0) -> multidsn.Batch:
     shape = (cfg.channels, cfg.image_size, cfg.image_size)
     return multidsn.Batch(source=(torch.randn(n, *shape, generator=g, dtype=dtype),
                                   torch.randint(0, cfg.num_classes, (n,), generator=g)),
-                          targets=[torch.randn(n + 1, *shape, generator=g, dtype=dtype) for _ in range(cfg.num_targets)])
+                          targets=[torch.randn(n + 1, *shape, generator=g, dtype=dtype)
+                                   for _ in range(cfg.num_targets)])
 
 
 # -- losses ------------------------------------------------------------------------------------------

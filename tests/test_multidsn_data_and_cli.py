@@ -1,0 +1,79 @@
+"""multidsn's data, CLI and benchmark entry point: the procedural domains have the promised shapes and
+held-out test splits, image folders load with labels from class folders, ``python -m multidsn.train``
+writes its JSON lines, and ``multidsn.bench.run_steps`` runs in one process and on a World.
+
+A failure points at multidsn/data.py, shifts.py, train.py or bench.py.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from multidsn import bench, train
+from multidsn.data import Sampler, load_folder_domains, procedural_domains
+from multidsn.shifts import SHIFTS
+
+
+def test_procedural_domains_shapes_and_splits():
+    source, targets = procedural_domains(7, image_size=16, seed=0)
+    assert [t.name for t in targets] == list(SHIFTS)
+    for d in [source, *targets]:
+        assert d.train_x.shape[1:] == (3, 16, 16) and d.train_x.dtype == torch.float32
+        assert 0 <= float(d.train_x.min()) and float(d.train_x.max()) <= 1
+        assert len(d.train_x) + len(d.test_x) == 1797 and len(d.test_y) == len(d.test_x)
+    # every target is really shifted away from the source
+    assert all(float((t.train_x - source.train_x).abs().mean()) > 0.05 for t in targets)
+    with pytest.raises(ValueError, match="unknown shift"):
+        procedural_domains(1, shifts=["fog"])
+
+
+def test_sampler_gives_checked_batches():
+    source, targets = procedural_domains(2, image_size=16)
+    b = next(Sampler(source, targets, batch_size=5, seed=1))
+    assert b.source[0].shape == (5, 3, 16, 16) and len(b.targets) == 2
+
+
+def test_image_folders(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for domain, labelled in (("photos", True), ("sketches", False)):
+        for c in ("cat", "dog"):
+            folder = tmp_path / domain / c if labelled else tmp_path / domain
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(5):
+                Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(folder / f"{c}{i}.png")
+    source, targets = load_folder_domains(tmp_path, "photos", image_size=12, test_fraction=0.2)
+    assert source.train_x.shape == (8, 3, 12, 12) and sorted(set(source.train_y.tolist())) == [0, 1]
+    assert [t.name for t in targets] == ["sketches"] and targets[0].train_y is None
+    with pytest.raises(ValueError, match="source domain 'nope' is not a folder"):
+        load_folder_domains(tmp_path, "nope", image_size=12)
+
+
+@pytest.mark.timeout(120)
+def test_train_cli_single_process(tmp_path):
+    out = tmp_path / "train.jsonl"
+    summary = train.main(["--targets", "1", "--placement", "single", "--steps", "4", "--warmup", "2",
+                          "--image-size", "16", "--width", "4", "--batch-size", "4", "--log-every", "2",
+                          "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.get("model", r.get("record")) for r in lines] == ["dsn", "source_only", "summary"]
+    assert set(lines[0]["target_accuracy"]) == {"mnistm"}
+    assert summary["gain"] == pytest.approx(lines[0]["mean_target_accuracy"] - lines[1]["mean_target_accuracy"])
+    assert isinstance(summary["private_codes_collapsed"], bool) and summary["torch"] == torch.__version__
+
+
+def test_bench_single_process():
+    r = bench.run_steps(16, 2, steps=2, width=4, depth=2)
+    assert len(r["step_s"]) == 2 and r["workers"] == [] and np.isfinite(r["loss"])
+
+
+@pytest.mark.world(3)
+@pytest.mark.timeout(120)
+def test_bench_distributed_matches_single(world):
+    one = bench.run_steps(16, 1, steps=2, width=4, depth=2, dtype=torch.float64)
+    many = bench.run_steps(16, 1, steps=2, width=4, depth=2, dtype=torch.float64, placement="domain", world=world)
+    assert many["workers"] == [0, 1, 2]
+    assert many["loss"] == pytest.approx(one["loss"], rel=1e-9)
