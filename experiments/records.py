@@ -66,8 +66,9 @@ def append(path: str, record: dict) -> None:
 
 
 def config_key(config: dict) -> str:
-    """The identity of a configuration: every field except how long it may take."""
-    return json.dumps({k: v for k, v in config.items() if k not in ("timeout_s",)}, sort_keys=True)
+    """The identity of a configuration: every field except how long it may take. Unset (None) fields
+    are left out, so adding an optional field keeps the keys of earlier records."""
+    return json.dumps({k: v for k, v in config.items() if k != "timeout_s" and v is not None}, sort_keys=True)
 
 
 def recorded_keys(path: str) -> dict[str, dict]:

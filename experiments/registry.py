@@ -25,9 +25,10 @@ class ModelSpec:
     dims: int
     """Spatial dims of the input (1, 2 or 3)."""
     task: str
-    """``classify``: one label per image, or ``segment``: one label per pixel."""
-    build: Callable[[int, int, int, int], nn.Module]
-    """``build(in_channels, num_classes, width, depth)``."""
+    """``classify``: one label per image, ``segment``: one label per pixel, ``dsn``: a Domain Separation
+    Network trained by ``multidsn.bench`` (1 source + ``targets`` domains)."""
+    build: Callable[[int, int, int, int], nn.Module] | None
+    """``build(in_channels, num_classes, width, depth)``; None for ``dsn``."""
     edge_multiple: Callable[[int], int] = lambda depth: 1
     """Input edges must be multiples of ``edge_multiple(depth)``."""
     figure: str = ""
@@ -36,7 +37,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.dims not in (1, 2, 3):
             raise ValueError(f"{self.name}: dims must be 1, 2 or 3, got {self.dims}")
-        if self.task not in ("classify", "segment"):
+        if self.task not in ("classify", "segment", "dsn"):
             raise ValueError(f"{self.name}: task must be classify or segment, got {self.task!r}")
 
     def round_size(self, size: int, depth: int) -> int:
@@ -53,10 +54,21 @@ def _vanilla(cls) -> Callable[[int, int, int, int], nn.Module]:
     return lambda c, k, width, depth: cls(c, k, width=width, depth=depth)
 
 
+def _monai_unet(c: int, k: int, width: int, depth: int) -> nn.Module:
+    from monai.networks.nets import UNet
+
+    return UNet(2, c, k, channels=tuple(width * 2**i for i in range(depth)), strides=(2,) * (depth - 1),
+                num_res_units=1)
+
+
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (
     ModelSpec(name="cnn1d", dims=1, task="classify", build=_vanilla(models.CNN1D), figure="Figure 2"),
     ModelSpec(name="cnn2d", dims=2, task="classify", build=_vanilla(models.CNN2D), figure="Figure 3"),
     ModelSpec(name="cnn3d", dims=3, task="classify", build=_vanilla(models.CNN3D), figure="Figure 4"),
+    ModelSpec(name="fcn2d", dims=2, task="segment", build=_vanilla(models.FCN2D), edge_multiple=lambda d: 2**d,
+              figure="Figure 5"),
+    ModelSpec(name="unet", dims=2, task="segment", build=_monai_unet, edge_multiple=lambda d: 2 ** (d - 1)),
+    ModelSpec(name="dsn", dims=2, task="dsn", build=None, edge_multiple=lambda d: 2**d, figure="Figure 7"),
 )}
 
 

@@ -58,6 +58,9 @@ class RunConfig:
     """Per-process memory cap, enforced (GPU: memory fraction; CPU: RLIMIT_DATA); None: no cap."""
     record: bool = True
     """Run the recorder (utilization sampling, NVML) in every process."""
+    targets: int | None = None
+    """DSN only: target domains (1 source + ``targets``); ``workers`` is then what the domain placement
+    needs (``multidsn.placement.workers_needed``), and 0 is the single-process DSN."""
     timeout_s: float = 900.0
     """Wall-clock limit of the whole configuration; not part of its identity."""
 
@@ -68,6 +71,8 @@ class RunConfig:
                              f"got {self.size}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0 (0 = plain single process), got {self.workers}")
+        if (spec.task == "dsn") != (self.targets is not None):
+            raise ValueError("targets is for --model dsn (and dsn needs it)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
@@ -121,6 +126,44 @@ def run_plain(cfg: RunConfig) -> dict:
             "budget": budget, "per_worker": [per]}
 
 
+def run_dsn(cfg: RunConfig, world=None) -> dict:
+    """A DSN (``multidsn.bench``) with 1 source and ``cfg.targets`` targets, single process or domain-parallel."""
+    import bigconv
+    from multidsn import bench
+
+    from experiments import recorder
+    from experiments.recorder import Recorder
+
+    dtype = getattr(torch, cfg.dtype)
+    kwargs = dict(steps=cfg.steps + 1, width=cfg.width, batch_size=cfg.batch, depth=cfg.depth, dtype=dtype)
+    warm = dict(kwargs, steps=1)
+    if cfg.workers == 0:
+        bench.run_steps(8 * 2**cfg.depth, cfg.targets, **warm)
+        rec = Recorder(cfg.device, enabled=cfg.record)
+        rec.start()
+        r = bench.run_steps(cfg.size, cfg.targets, **kwargs)
+        per = [rec.stop() if cfg.record else {}]
+        grid = None
+    else:
+        own = world is None
+        world = world or bigconv.World(workers=cfg.workers, device=cfg.device,
+                                       threads_per_worker=max(1, (os.cpu_count() or 1) // cfg.workers),
+                                       timeout=max(60.0, cfg.timeout_s / 3))
+        try:
+            bench.run_steps(8 * 2**cfg.depth, cfg.targets, placement="domain", world=world, **warm)
+            world.call(recorder.worker_start, [(cfg.record,)] * world.workers, "starting the recorders")
+            r = bench.run_steps(cfg.size, cfg.targets, placement="domain", world=world, **kwargs)
+            per = world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders")
+        finally:
+            if own:
+                world.close()
+        grid = None
+        for i, p in enumerate(per):
+            p["used"] = i in r["workers"]
+    return {"grid": grid, "step_s": min(r["step_s"][1:]), "step_times_s": r["step_s"][1:], "loss": r["loss"],
+            "budget": None, "per_worker": per}
+
+
 def run_world(cfg: RunConfig, world=None) -> dict:
     """On ``world`` (one launched by a cluster launcher), or on a fresh local World of ``cfg.workers``."""
     import bigconv
@@ -153,7 +196,10 @@ def run_here(cfg: RunConfig, world=None) -> dict:
     record = describe(cfg)
     t0 = time.perf_counter()
     try:
-        r = run_plain(cfg) if cfg.workers == 0 else run_world(cfg, world)
+        if cfg.model == "dsn":
+            r = run_dsn(cfg, world)
+        else:
+            r = run_plain(cfg) if cfg.workers == 0 else run_world(cfg, world)
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
         record.update(status=classify(text + repr(exc.__cause__)), message=text[-2000:],

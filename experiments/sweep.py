@@ -42,8 +42,19 @@ def int_list(text: str) -> list[int]:
     return [parse_amount(t) for t in text.split(",") if t.strip()]
 
 
-def plan(model: str, sizes: list[int], workers: list[int], *, plain: bool = True, **common) -> list[RunConfig]:
-    """Every configuration, smallest size first; the plain run first at each size."""
+def plan(model: str, sizes: list[int], workers: list[int], *, plain: bool = True, targets: list[int] | None = None,
+         **common) -> list[RunConfig]:
+    """Every configuration, smallest size first; the plain run first at each size.
+
+    DSN: ``targets`` (e.g. 1, 4, 7) replaces ``workers``: the plain run is the single-process 1S1T
+    DSN, and each K runs domain-parallel on the workers its placement needs.
+    """
+    if model == "dsn":
+        from multidsn.placement import workers_needed
+
+        runs = ([(0, 1)] if plain else []) + [(workers_needed(k, "domain"), k) for k in sorted(set(targets or [1]))]
+        return [RunConfig(model=model, size=s, workers=n, targets=k, **common) for s in sorted(sizes)
+                for n, k in runs]
     counts = ([0] if plain else []) + sorted(set(workers) - {0})
     return [RunConfig(model=model, size=s, workers=n, **common) for s in sorted(sizes) for n in counts]
 
@@ -51,6 +62,8 @@ def plan(model: str, sizes: list[int], workers: list[int], *, plain: bool = True
 def label(cfg: RunConfig) -> str:
     dims = registry.spec(cfg.model).dims
     who = "single process" if cfg.workers == 0 else f"{cfg.workers} worker{'s' * (cfg.workers > 1)}"
+    if cfg.targets is not None:
+        who = f"1 source + {cfg.targets} target{'s' * (cfg.targets > 1)}, {who}"
     return f"{cfg.model} {cfg.size}{'^' + str(dims) if dims > 1 else ''} batch {cfg.batch}, {who}"
 
 
@@ -100,9 +113,11 @@ def main(argv=None) -> None:
     parser.add_argument("--model", choices=sorted(registry.MODELS))
     parser.add_argument("--sizes", type=int_list, help="input edges, e.g. 512,1K,2K (1D: lengths, e.g. 1M,4M)")
     parser.add_argument("--workers", type=int_list, help="worker counts, e.g. 1,2,4,8 (plain run always added)")
+    parser.add_argument("--targets", type=int_list, default=None,
+                        help="dsn: target domains per run, e.g. 1,4,7 (workers follow from the placement)")
     parser.add_argument("--out", help="results file (default results/<preset>[_quick].jsonl)")
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--width", type=int, default=None, help="conv channels (default 16; dsn 8)")
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--steps", type=int, default=1, help="measured steps after one unmeasured step")
@@ -120,18 +135,21 @@ def main(argv=None) -> None:
         p = presets.preset(args.preset)
         scale = p.scale(args.quick)
         model, sizes, workers = p.model, args.sizes or scale.sizes, args.workers or scale.workers
+        targets = args.targets or p.extra.get("targets")
         batch, device = args.batch or scale.batch, args.device or scale.device
         out = args.out or f"results/{p.name}{'_quick' if args.quick else ''}.jsonl"
     else:
-        if not (args.model and args.sizes and args.workers and args.out):
-            parser.error("give --preset, or all of --model, --sizes, --workers and --out")
-        model, sizes, workers, batch, out = args.model, args.sizes, args.workers, args.batch or 1, args.out
+        if not (args.model and args.sizes and (args.workers or args.model == "dsn") and args.out):
+            parser.error("give --preset, or all of --model, --sizes, --workers (dsn: --targets) and --out")
+        model, sizes, workers, batch, out = args.model, args.sizes, args.workers or [], args.batch or 1, args.out
+        targets = args.targets
         import torch
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = registry.spec(model)
     sizes = sorted({spec.round_size(s, args.depth) for s in sizes})
-    configs = plan(model, sizes, workers, plain=not args.no_plain, batch=batch, width=args.width, depth=args.depth,
+    configs = plan(model, sizes, workers, plain=not args.no_plain, targets=targets, batch=batch,
+                   width=args.width or (8 if model == "dsn" else 16), depth=args.depth,
                    dtype=args.dtype, steps=args.steps, device=device, budget_bytes=args.budget,
                    record=not args.no_record, timeout_s=args.timeout)
     print(f"{len(configs)} configurations -> {out}", flush=True)

@@ -112,3 +112,20 @@ def test_tiny_real_sweep_with_budget_oom(exclusive, tmp_path):
     assert again.returncode == 0 and again.stdout.count("already recorded") == 4
     assert len(records.load(out)) == 4
     json.dumps(recs)  # plain JSON all the way down
+
+
+def test_registry_and_dsn_plan():
+    """fcn2d/unet are one registry entry each; dsn sweeps targets, with the workers its placement needs."""
+    from multidsn.placement import workers_needed
+
+    from experiments.registry import MODELS
+
+    assert {"cnn1d", "cnn2d", "cnn3d", "fcn2d", "unet", "dsn"} <= set(MODELS)
+    assert MODELS["fcn2d"].round_size(100, 3) == 96 and MODELS["fcn2d"].task == "segment"
+    cfgs = plan("dsn", [64], [], targets=[1, 4])
+    assert [(c.workers, c.targets) for c in cfgs] == [(0, 1), (workers_needed(1, "domain"), 1),
+                                                      (workers_needed(4, "domain"), 4)]
+    with pytest.raises(ValueError, match="targets"):
+        RunConfig(model="cnn2d", targets=2)
+    # An optional field left unset keeps the keys of records written before it existed.
+    assert records.config_key({"model": "cnn2d", "targets": None}) == records.config_key({"model": "cnn2d"})
