@@ -12,11 +12,13 @@ A failure points at multidsn/parallel.py (the driver's routing), multidsn/remote
 gradient sums) or multidsn/placement.py.
 """
 
+import time
+
 import pytest
 import torch
 
 import multidsn
-from bigconv import World
+from bigconv import WorkerFailure, World
 
 TOL = 1e-9
 
@@ -112,6 +114,24 @@ def test_bad_batches_fail_before_remote_work(world):
         assert net.steps == 1
     finally:
         net.close()
+
+
+@pytest.mark.world(2)
+@pytest.mark.timeout(90)
+def test_dead_worker_is_named_in_bounded_time(world):
+    # Last of the 2-worker tests: it breaks the shared World, which the fixture then replaces.
+    cfg = tiny(1, "dann")
+    net = multidsn.parallelize(multidsn.DSN(cfg).double(), world, placement="domain", head="source")
+    net.optimizer(torch.optim.SGD, lr=0.1)
+    b = batches(cfg, 2)
+    net.train_step(b[0])
+    world._procs[1].kill()
+    world._procs[1].wait()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match="worker1"):
+        net.train_step(b[1])
+    assert time.monotonic() - start < world.timeout
+    assert world.broken
 
 
 @pytest.mark.world(3)
