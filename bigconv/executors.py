@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -152,6 +153,13 @@ def interior_interval(w: Window, own: tuple[int, int]) -> tuple[int, int]:
     return lo, max(lo, hi)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """The output box an op computes (the interface of ``HaloPlan`` that region ops read)."""
+
+    out_box: Box
+
+
 class ShardExecutor:
     """Runs on one worker for one forward call."""
 
@@ -278,6 +286,10 @@ class ShardExecutor:
             for axis, c in enumerate(owner):
                 if c not in keys[axis]:
                     keys[axis].append(c)
+        if not blocks:  # the region lies wholly in the border padding (a padding layer's margin)
+            like = next(iter(sources.values()))[0]
+            size = tuple(hi - lo for lo, hi in want)
+            return like.new_full((*like.shape[:first], *size), 0.0 if fill is None else fill)
         region = nested_cat(blocks, [sorted(k) for k in keys], first)
         if fill is None or not any(p for lo_hi in pad for p in lo_hi):
             return region
@@ -325,10 +337,25 @@ class ShardExecutor:
         my_box = shard_box(shape, self.grid, self.coord)
         x = self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
-        if plan.need is None or any(a >= b for a, b in plan.need):
+        if any(a >= b for a, b in plan.need):
             return op(None, plan)
-        sources = self._receive_halos(plan, x, my_box, key, where)
-        return op(self._region(plan.out_box, windows, shape, sources, first, fill=fill), plan)
+        if not all(isinstance(w, Window) for w in windows):
+            sources = self._receive_halos(plan, x, my_box, key, where)
+            return op(self._region(plan.out_box, windows, shape, sources, first, fill=fill), plan)
+        # Sliding windows: the interior reads a view of this shard (no copy of the input for
+        # autograd to keep), the border slabs read small joined regions.
+        inner_box = tuple(interior_interval(w, own) for w, own in zip(windows, my_box))
+        inner, slabs, layout = slab_boxes(plan.out_box, inner_box)
+        parts: dict[tuple, torch.Tensor] = {}
+        if inner is not None:
+            region = self._region(inner, windows, shape, {self.coord: (x, my_box)}, first, fill=fill)
+            parts[inner] = op(region, _Part(inner))
+        if slabs:
+            sources = self._receive_halos(plan, x, my_box, key, where)
+            for box in slabs:
+                parts[box] = op(self._region(box, windows, shape, sources, first, fill=fill), _Part(box))
+        blocks = {tuple(iv[0] for iv in box): t for box, t in parts.items()}
+        return nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
 
     def index_map(self, x, shape, maps: Sequence, apply: Callable, where: str) -> torch.Tensor:
         """A separable index map (upsampling, padding modes); see ``bigconv.index_maps``.

@@ -17,6 +17,63 @@ import torch.nn.functional as F
 from .sharding import RULES, ShardMode, bind, global_shape, mark
 
 
+class _LocalMoments(torch.autograd.Function):
+    """This shard's mean and centred sum of squares over ``dims``, saving only ``x``.
+
+    Autograd through ``(x - mean).square().sum()`` would keep a centred copy of the whole shard
+    alive until backward; a single process's fused normalization keeps only its input.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dims):
+        mean = x.mean(dim=dims, keepdim=True)
+        m2 = (x - mean).square_().sum(dim=dims, keepdim=True)
+        ctx.save_for_backward(x, mean)
+        ctx.count = math.prod(x.shape[d] for d in dims)
+        return mean, m2
+
+    @staticmethod
+    def backward(ctx, g_mean, g_m2):
+        x, mean = ctx.saved_tensors
+        grad = None
+        if g_m2 is not None:  # d m2 / dx = 2 (x - mean); the mean's own dependence cancels
+            grad = (x - mean).mul_(2 * g_m2)
+        if g_mean is not None:
+            grad = g_mean / ctx.count + (grad if grad is not None else 0)
+        return grad, None
+
+
+class _Normalize(torch.autograd.Function):
+    """``(x - mean) * invstd * weight + bias`` with broadcast statistics, saving only ``x``.
+
+    The gradients of ``mean`` and ``invstd`` flow on into the statistics' graph (and from there to
+    every shard), as the single process's flow into its own statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mean, invstd, weight, bias):
+        out = (x - mean).mul_(invstd)
+        if weight is not None:
+            out.mul_(weight)
+        if bias is not None:
+            out.add_(bias)
+        ctx.save_for_backward(x, mean, invstd, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, mean, invstd, weight = ctx.saved_tensors
+        centred = x - mean
+        g_weight = (g * centred * invstd).sum_to_size(weight.shape) if weight is not None else None
+        g_bias = g.sum_to_size(weight.shape if weight is not None else mean.shape) if ctx.has_bias else None
+        gy = g * weight if weight is not None else g
+        g_invstd = (gy * centred).sum_to_size(invstd.shape)
+        g_x = gy.mul_(invstd) if weight is not None else gy * invstd
+        g_mean = -g_x.sum_to_size(mean.shape)
+        return g_x, g_mean, g_invstd, g_weight, g_bias
+
+
 def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_dims: list[int]):
     """Mean and biased variance of ``x`` over ``dims`` across every shard, kept as broadcastable dims.
 
@@ -28,8 +85,7 @@ def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_
     base = math.prod(x.shape[d] for d in count_dims)
     counts = [base * math.prod(box_size(shard_box(shape, mode.executor.grid, c)))
               for c in all_coords(mode.executor.grid)]
-    mean = x.mean(dim=dims, keepdim=True)
-    m2 = (x - mean).square().sum(dim=dims, keepdim=True)
+    mean, m2 = _LocalMoments.apply(x, dims)
     parts = mode.executor.allgather(torch.stack([mean, m2]), "normalization statistics")
     total = sum(counts)
     mean_all = sum(n * p[0] for n, p in zip(counts, parts)) / total
@@ -38,12 +94,9 @@ def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_
 
 
 def _normalize(x, mean, var, eps, weight, bias, channel_view):
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if weight is not None:
-        out = out * weight.view(channel_view)
-    if bias is not None:
-        out = out + bias.view(channel_view)
-    return out
+    weight = weight.view(channel_view) if weight is not None else None
+    bias = bias.view(channel_view) if bias is not None else None
+    return _Normalize.apply(x, mean, torch.rsqrt(var + eps), weight, bias)
 
 
 def _update_running(running: torch.Tensor | None, value: torch.Tensor, momentum: float) -> None:
@@ -101,13 +154,9 @@ def _group_norm(mode: ShardMode, func, args, kwargs):
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
     dims = list(range(2, grouped.dim()))
     mean, var, _ = whole_stats(mode, grouped, dims, shape, [2])
-    out = ((grouped - mean) * torch.rsqrt(var + b.get("eps", 1e-5))).reshape(x.shape)
-    view = (1, -1) + (1,) * (x.dim() - 2)
-    if b.get("weight") is not None:
-        out = out * b["weight"].view(view)
-    if b.get("bias") is not None:
-        out = out + b["bias"].view(view)
-    return mark(out, shape)
+    view = (1, groups, c // groups) + (1,) * (x.dim() - 2)
+    out = _normalize(grouped, mean, var, b.get("eps", 1e-5), b.get("weight"), b.get("bias"), view)
+    return mark(out.reshape(x.shape), shape)
 
 
 _LN_NAMES = ("input", "normalized_shape", "weight", "bias", "eps")
@@ -125,13 +174,10 @@ def _layer_norm(mode: ShardMode, func, args, kwargs):
         return mode.tag_outputs(func(*args, **kwargs), shape)
     dims = list(range(x.dim() - len(normalized), x.dim()))
     mean, var, _ = whole_stats(mode, x, dims, shape, dims[: len(normalized) - mode.dims])
-    out = (x - mean) * torch.rsqrt(var + b.get("eps", 1e-5))
     # Elementwise weights vary over the image: each shard uses its own part of them.
-    if b.get("weight") is not None:
-        out = out * mode.executor.local_part(b["weight"], shape)
-    if b.get("bias") is not None:
-        out = out + mode.executor.local_part(b["bias"], shape)
-    return mark(out, shape)
+    weight = mode.executor.local_part(b["weight"], shape) if b.get("weight") is not None else None
+    bias = mode.executor.local_part(b["bias"], shape) if b.get("bias") is not None else None
+    return mark(_Normalize.apply(x, mean, torch.rsqrt(var + b.get("eps", 1e-5)), weight, bias), shape)
 
 
 RULES[F.batch_norm] = _batch_norm
