@@ -89,16 +89,18 @@ def pad_spec(pad: Sequence[tuple[int, int]]) -> list[int]:
     return [p for lo_hi in reversed(pad) for p in lo_hi]
 
 
-def nested_cat(blocks: dict[tuple[int, ...], torch.Tensor], keys: Sequence[Sequence[int]], first_dim: int):
-    """Join blocks laid out on a product of per-axis keys, last axis innermost."""
+def nested_cat(blocks: dict[tuple[int, ...], torch.Tensor], keys: Sequence[Sequence[int]], first_dim: int,
+               prefix: tuple[int, ...] = ()) -> torch.Tensor:
+    """Join blocks laid out on a product of per-axis keys, last axis innermost.
 
-    def join(prefix: tuple[int, ...], axis: int) -> torch.Tensor:
-        if axis == len(keys):
-            return blocks[prefix]
-        parts = [join(prefix + (k,), axis + 1) for k in keys[axis]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=first_dim + axis)
-
-    return join((), 0)
+    Plain recursion, not a recursive closure: a closure that refers to itself is a reference
+    cycle, and it would keep every block (activations) alive until the garbage collector runs.
+    """
+    axis = len(prefix)
+    if axis == len(keys):
+        return blocks[prefix]
+    parts = [nested_cat(blocks, keys, first_dim, prefix + (k,)) for k in keys[axis]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=first_dim + axis)
 
 
 def split_axis(out: tuple[int, int], inner: tuple[int, int]) -> list[tuple[str, tuple[int, int]]]:
@@ -281,7 +283,9 @@ class ShardExecutor:
             part = intersect(clipped, owned)
             if part is None:
                 continue
-            piece = tensor[lead + local_slices(part, origin)]
+            # The whole tensor rather than a full-range slice: autograd gives every slice its own
+            # full-size zero gradient in backward.
+            piece = tensor if part == tuple(origin) else tensor[lead + local_slices(part, origin)]
             blocks[owner] = torch.zeros_like(piece) if own_as_zeros and owner == self.coord else piece
             for axis, c in enumerate(owner):
                 if c not in keys[axis]:

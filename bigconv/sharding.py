@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from .geometry import Window
 
@@ -30,6 +30,21 @@ REPLICATED_ATTR = "_bigconv_replicated"
 
 class UnsupportedOperation(ValueError):
     """An operation that cannot be decomposed exactly over spatial shards."""
+
+
+def tree_flatten(tree: Any) -> tuple[list, None]:
+    """The leaves of nested lists, tuples and dicts (torch's own version leaves a reference cycle
+    behind on every call, which the mode makes thousands of times per step)."""
+    leaves, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        else:
+            leaves.append(node)
+    return leaves, None
 
 
 def global_shape(t: object) -> tuple[int, ...] | None:
