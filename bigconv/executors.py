@@ -383,9 +383,10 @@ class ShardExecutor:
         for index, coord in enumerate(all_coords(self.grid)):
             if index == self.rt.index:
                 continue
-            per_axis = [[iv for c, iv in axis_runs if c == mine] for axis_runs, mine in zip(wants(coord)[1], self.coord)]
-            for box in itertools.product(*per_axis):
-                targets.append((index, len([t for t in targets if t[0] == index])))
+            their_runs = wants(coord)[1]
+            per_axis = [[iv for c, iv in axis_runs if c == mine] for axis_runs, mine in zip(their_runs, self.coord)]
+            for number, box in enumerate(itertools.product(*per_axis)):
+                targets.append((index, number))
                 indices.append(lead + local_slices(box, my_box))
         if targets:
             x, *pieces = _SendPieces.apply(x, *indices)

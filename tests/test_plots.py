@@ -51,8 +51,9 @@ def results_file(tmp_path):
 
 def test_plots_command_draws_every_figure(results_file, tmp_path):
     out = tmp_path / "figs"
-    run = subprocess.run([sys.executable, "-m", "plots", results_file, os.path.join(ROOT, "results", "bench_core.jsonl"),
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    core = os.path.join(ROOT, "results", "bench_core.jsonl")
+    run = subprocess.run([sys.executable, "-m", "plots", results_file, core, "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     names = sorted(os.listdir(out))
     assert names == sorted(f"fixture_{k}.{e}" for k in ("memory", "util", "scaling", "maxsize") for e in ("png", "pdf"))
