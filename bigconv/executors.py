@@ -329,7 +329,7 @@ class ShardExecutor:
         """The whole tensor on every worker, for maps too small to split over the grid."""
         return join_shards(self.allgather(x, "whole-map gather"), self.grid)
 
-    def region_op(self, x, shape, windows, op: Callable, whole: Callable, where: str, fill: float | None = 0.0):
+    def region_op(self, x, shape, windows, op: Callable, where: str, fill: float | None = 0.0):
         """A windowed op that is not linear (pooling) or not a plain window (transposed conv).
 
         The shard joins its input region from the owners (padded with ``fill`` at the global

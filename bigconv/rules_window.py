@@ -19,7 +19,7 @@ from .index_maps import PadMap, Resize, resize_sizes
 from .sharding import RULES, ShardMode, bind, global_shape, mark, ntuple, with_input
 
 
-def _pool_windows(mode: ShardMode, func, b: dict, dilation=1) -> list[Window]:
+def _pool_windows(mode: ShardMode, b: dict, dilation=1) -> list[Window]:
     n = mode.dims
     kernel = ntuple(b["kernel_size"], n)
     stride = ntuple(b.get("stride") or kernel, n)  # PyTorch: stride None or [] means the kernel size
@@ -41,7 +41,7 @@ def _max_pool(mode: ShardMode, func, args, kwargs):
     if b.get("return_indices", False) or "with_indices" in getattr(func, "__name__", ""):
         raise mode.unsupported(func, "its indices are positions in the whole image, which no shard holds",
                                "Use return_indices=False (MaxUnpool is not supported)")
-    windows = _pool_windows(mode, func, b, b.get("dilation", 1))
+    windows = _pool_windows(mode, b, b.get("dilation", 1))
     out_shape = _out_shape(windows, shape)
     whole = with_input(func, args, kwargs)
     if mode.executor.dry or not mode.executor.fits(out_shape):
@@ -53,7 +53,7 @@ def _max_pool(mode: ShardMode, func, args, kwargs):
         d = [w.dilation for w in windows]
         return func(region, k, s, 0, d, False)
 
-    return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=-math.inf), out_shape)
+    return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=-math.inf), out_shape)
 
 
 _AVG_NAMES = ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
@@ -75,7 +75,7 @@ def _divisors(windows, shape, out_box, count_include_pad: bool) -> list[list[int
 def _avg_pool(mode: ShardMode, func, args, kwargs):
     b = bind(_AVG_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
-    windows = _pool_windows(mode, func, b)
+    windows = _pool_windows(mode, b)
     out_shape = _out_shape(windows, shape)
     whole = with_input(func, args, kwargs)
     if mode.executor.dry or not mode.executor.fits(out_shape):
@@ -104,7 +104,7 @@ def _avg_pool(mode: ShardMode, func, args, kwargs):
             return out if uniform == volume else out * (volume / uniform)
         return out * (volume / (divisor * uniform))
 
-    return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=0.0), out_shape)
+    return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=0.0), out_shape)
 
 
 def _adaptive(mode: ShardMode, func, args, kwargs, kind: str):
@@ -171,7 +171,7 @@ def _conv_transpose(mode: ShardMode, func, args, kwargs):
             out = out + bias.view(-1, *([1] * n))
         return out
 
-    return mark(mode.executor.region_op(x, shape, windows, op, whole, mode.where(), fill=None), out_shape)
+    return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=None), out_shape)
 
 
 def _apply_taps(region: torch.Tensor, taps, dims: int) -> torch.Tensor:
@@ -221,7 +221,7 @@ def _pad(mode: ShardMode, func, args, kwargs):
         out_shape = _out_shape(windows, shape)
         if mode.executor.dry or not mode.executor.fits(out_shape):
             return mode.windowed_whole(x, shape, out_shape, whole)
-        out = mode.executor.region_op(x, shape, windows, lambda region, plan: region, whole, mode.where(),
+        out = mode.executor.region_op(x, shape, windows, lambda region, plan: region, mode.where(),
                                       fill=value)
         return mark(out, out_shape)
     if any(lo < 0 or hi < 0 for lo, hi in spatial):
