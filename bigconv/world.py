@@ -261,7 +261,12 @@ class World:
         return self.wait(futures, what)
 
     def wait(self, futures: Sequence, what: str) -> list[Any]:
-        """Wait for one future per worker within the timeout; raise naming a dead, failed or late worker.
+        """Wait for one future per worker, in worker order; see ``wait_named``."""
+        return self.wait_named(list(zip(self.names, futures)), what)
+
+    def wait_named(self, futures: Sequence[tuple[str, Any]], what: str) -> list[Any]:
+        """The results of ``(worker name, future)`` pairs within the timeout, in order; raise naming a
+        dead, failed or late worker. Any subset of workers may appear, some more than once.
 
         The driver waits a little longer than the workers' own waits, so that a worker stuck on a
         halo reports which peer it is waiting for before the driver gives up on everyone.
@@ -273,7 +278,7 @@ class World:
             if dead:
                 self.broken = f"{dead[0]} died during {what}"
                 raise WorkerFailure(self.broken)
-            for name, fut in zip(self.names, futures):
+            for name, fut in futures:
                 if fut.done():
                     try:
                         fut.wait()
@@ -283,16 +288,16 @@ class World:
                             self.broken = f"{dead[0]} died during {what}"
                             raise WorkerFailure(self.broken) from exc
                         message = f"{name} failed during {what}: {remote_summary(exc)}"
-                        late = [n for n, f in zip(self.names, futures) if not f.done()]
+                        late = sorted({n for n, f in futures if not f.done()})
                         if late:  # the others are probably waiting on the ones still busy
                             message = f"{', '.join(late)} did not finish {what} ({message})"
                         if isinstance(exc, WorkerFailure) or "timed out" in str(exc) or "timeout" in str(exc):
                             self.broken = message
                         raise WorkerFailure(message) from exc
-            if all(f.done() for f in futures):
-                return [f.wait() for f in futures]
+            if all(f.done() for _, f in futures):
+                return [f.wait() for _, f in futures]
             if time.monotonic() > deadline:
-                late = [n for n, f in zip(self.names, futures) if not f.done()]
+                late = sorted({n for n, f in futures if not f.done()})
                 self.broken = f"{', '.join(late)} did not finish {what} within {self.timeout:g}s"
                 raise WorkerFailure(self.broken)
             time.sleep(pause)
