@@ -71,11 +71,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                       maxsize_workers=[1, 2, 4, 8, 10], budget_bytes=16 * GiB),
            quick=Scale(sizes=[256, 512, 1024], workers=_QUICK_W, maxsize_workers=_QUICK_W,
                        budget_bytes=256 * MiB, device="cpu")),
-    Preset(name="fig7_dsn", figure="Figure 7: DSN, 1 source + 1/4/7 targets, single process vs domain-parallel",
+    Preset(name="fig7_dsn", figure="Figure 7: DSN, 1 source + 1/4/7 targets, single process vs distributed",
            model="dsn", extra={"targets": [1, 4, 7]},
            full=Scale(sizes=[128, 256, 384, 512, 768, 1024], workers=[], maxsize_workers=[],
                       budget_bytes=16 * GiB, batch=2),
-           quick=Scale(sizes=[64, 128], workers=[], maxsize_workers=[], budget_bytes=256 * MiB, device="cpu",
+           # python -m experiments.fig7 [--quick] runs both placements and the largest-size search
+           quick=Scale(sizes=[128, 256, 512], workers=[], maxsize_workers=[], budget_bytes=256 * MiB, device="cpu",
                        batch=2)),
 )}
 

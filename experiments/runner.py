@@ -61,6 +61,9 @@ class RunConfig:
     targets: int | None = None
     """DSN only: target domains (1 source + ``targets``); ``workers`` is then what the domain placement
     needs (``multidsn.placement.workers_needed``), and 0 is the single-process DSN."""
+    placement: str | None = None
+    """DSN only: ``"domain"`` (None means this too) or ``"encoder"`` (the ORNL layout: every encoder on a
+    worker of its own)."""
     timeout_s: float = 900.0
     """Wall-clock limit of the whole configuration; not part of its identity."""
 
@@ -73,6 +76,8 @@ class RunConfig:
             raise ValueError(f"workers must be >= 0 (0 = plain single process), got {self.workers}")
         if (spec.task == "dsn") != (self.targets is not None):
             raise ValueError("targets is for --model dsn (and dsn needs it)")
+        if self.placement is not None and (spec.task != "dsn" or self.placement not in ("domain", "encoder")):
+            raise ValueError(f"placement is for --model dsn, one of 'domain' or 'encoder'; got {self.placement!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
@@ -127,7 +132,8 @@ def run_plain(cfg: RunConfig) -> dict:
 
 
 def run_dsn(cfg: RunConfig, world=None) -> dict:
-    """A DSN (``multidsn.bench``) with 1 source and ``cfg.targets`` targets, single process or domain-parallel."""
+    """A DSN (``multidsn.bench``) with 1 source and ``cfg.targets`` targets, single process or distributed with
+    ``cfg.placement``."""
     import bigconv
     from multidsn import bench
 
@@ -137,6 +143,7 @@ def run_dsn(cfg: RunConfig, world=None) -> dict:
     dtype = getattr(torch, cfg.dtype)
     kwargs = dict(steps=cfg.steps + 1, width=cfg.width, batch_size=cfg.batch, depth=cfg.depth, dtype=dtype)
     warm = dict(kwargs, steps=1)
+    placement = cfg.placement or "domain"
     if cfg.workers == 0:
         bench.run_steps(8 * 2**cfg.depth, cfg.targets, **warm)
         rec = Recorder(cfg.device, enabled=cfg.record)
@@ -150,9 +157,9 @@ def run_dsn(cfg: RunConfig, world=None) -> dict:
                                        threads_per_worker=max(1, (os.cpu_count() or 1) // cfg.workers),
                                        timeout=max(60.0, cfg.timeout_s / 3))
         try:
-            bench.run_steps(8 * 2**cfg.depth, cfg.targets, placement="domain", world=world, **warm)
+            bench.run_steps(8 * 2**cfg.depth, cfg.targets, placement=placement, world=world, **warm)
             world.call(recorder.worker_start, [(cfg.record,)] * world.workers, "starting the recorders")
-            r = bench.run_steps(cfg.size, cfg.targets, placement="domain", world=world, **kwargs)
+            r = bench.run_steps(cfg.size, cfg.targets, placement=placement, world=world, **kwargs)
             per = world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders")
         finally:
             if own:
