@@ -2,16 +2,24 @@
 
 Detection tries torchrun, then SLURM, then LSF/jsrun; each is one small function of an environment
 mapping, so the parsing is unit-tested with fake variables. Rank 0 is the driver.
+
+Ports: the world takes two, ``port`` (the gradient group's store) and ``port + 1`` (the RPC
+rendezvous). It is ``MASTER_PORT``, except under torchrun: torchrun's agent already hosts its own
+store at ``MASTER_PORT``, so the world takes ``MASTER_PORT + 2`` and ``+ 3``. ``BIGCONV_PORT``
+overrides both rules (e.g. when those ports are taken on the launch node).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 DEFAULT_PORT = 29500
+AGENT_PORT_OFFSET = 2
+"""Under torchrun the world's ports start this far above ``MASTER_PORT`` (the agent's store)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,12 @@ class LaunchInfo:
     master_addr: str
     """Host of rank 0, where the gradient store and the RPC rendezvous live."""
     master_port: int
-    """Gradient-group store port; RPC uses ``master_port + 1``."""
+    """The launcher's ``MASTER_PORT`` (default 29500)."""
+    port: int
+    """The world's gradient-group store port; RPC uses ``port + 1``. Not ``master_port`` under
+    torchrun, whose agent holds a store there; ``BIGCONV_PORT`` sets it outright."""
+    agent_store: bool = False
+    """A torchrun agent hosts a store at ``master_port`` (``TORCHELASTIC_RUN_ID`` is set)."""
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -45,10 +58,20 @@ def _port(env: Mapping[str, str]) -> int:
     return _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
 
 
+def _world_port(env: Mapping[str, str], agent_store: bool) -> int:
+    """The world's first port: ``BIGCONV_PORT``, else clear of a torchrun agent's store."""
+    if "BIGCONV_PORT" in env:
+        return _int(env, "BIGCONV_PORT")
+    return _port(env) + (AGENT_PORT_OFFSET if agent_store else 0)
+
+
 def from_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
     if not {"RANK", "WORLD_SIZE"} <= env.keys():
         return None
     world = _int(env, "WORLD_SIZE")
+    # torchrun (torch.distributed.run / the elastic agent) names its run in every rank; plain
+    # RANK/WORLD_SIZE set by hand or by another wrapper leave MASTER_PORT to the world.
+    agent = "TORCHELASTIC_RUN_ID" in env
     return LaunchInfo(
         "torchrun",
         _int(env, "RANK"),
@@ -57,6 +80,8 @@ def from_torchrun(env: Mapping[str, str]) -> LaunchInfo | None:
         _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world,
         env.get("MASTER_ADDR", "127.0.0.1"),
         _port(env),
+        _world_port(env, agent),
+        agent,
     )
 
 
@@ -88,6 +113,7 @@ def from_slurm(env: Mapping[str, str]) -> LaunchInfo | None:
         int(local_world.group()) if local_world else world,
         addr,
         _port(env),
+        _world_port(env, False),
     )
 
 
@@ -118,6 +144,7 @@ def from_lsf(env: Mapping[str, str]) -> LaunchInfo | None:
         _int(env, "JSM_NAMESPACE_LOCAL_SIZE") if "JSM_NAMESPACE_LOCAL_SIZE" in env else world,
         env.get("MASTER_ADDR") or _lsf_first_host(env),
         _port(env),
+        _world_port(env, False),
     )
 
 
@@ -139,3 +166,21 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
         "World.from_env() found no launcher: set RANK/WORLD_SIZE (torchrun), SLURM_PROCID/SLURM_NTASKS "
         "(srun) or JSM_NAMESPACE_RANK/JSM_NAMESPACE_SIZE (jsrun); for a local run use World(workers=N)"
     )
+
+
+@contextlib.contextmanager
+def own_rendezvous() -> Iterator[None]:
+    """Let RPC's ``tcp://`` rendezvous host its own store on rank 0, even under torchrun.
+
+    torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` in its ranks, and PyTorch's rendezvous
+    then makes rank 0 a client of the agent's store instead of hosting one, at whatever port it is
+    given: at the world's own port nobody would answer. Every rank hides it, so all of them meet
+    the same way; it is back as soon as the block ends.
+    """
+    key = "TORCHELASTIC_USE_AGENT_STORE"
+    saved = os.environ.pop(key, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[key] = saved

@@ -198,16 +198,18 @@ class World:
 
         Rank 0 returns the driver's ``World``. Every other rank serves until the driver shuts
         down, then exits the process (or returns None with ``exit_workers=False``), so a script
-        run on every rank continues on the driver only.
+        run on every rank continues on the driver only. The world's ports are
+        ``launch_env.LaunchInfo.port`` and the next one (clear of torchrun's own store).
         """
         info = launch_env.detect(env)
         threads = max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
         if info.rank != 0:
             from .worker import serve
 
-            serve(rank=info.rank, world_size=info.world_size, addr=info.master_addr, port=info.master_port,
-                  local_rank=info.local_rank, device=device, threads=threads, timeout=timeout,
-                  startup_timeout=timeout)
+            with launch_env.own_rendezvous():
+                serve(rank=info.rank, world_size=info.world_size, addr=info.master_addr, port=info.port,
+                      local_rank=info.local_rank, device=device, threads=threads, timeout=timeout,
+                      startup_timeout=timeout)
             if exit_workers:
                 sys.exit(0)
             return None
@@ -217,11 +219,12 @@ class World:
         self.device = device
         self.threads_per_worker = threads
         self.broken, self._procs, self._closed, self._closing = None, [], False, False
-        self._store = dist.TCPStore(info.master_addr, info.master_port, is_master=True, wait_for_workers=False,
+        self._store = dist.TCPStore(info.master_addr, info.port, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout))
         _fresh_rpc_counters()
-        rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size,
-                     rpc_backend_options=rpc_options(info.master_addr, info.master_port, self.workers, timeout))
+        with launch_env.own_rendezvous():
+            rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size,
+                         rpc_backend_options=rpc_options(info.master_addr, info.port, self.workers, timeout))
         return self
 
     # -- calls ----------------------------------------------------------------------------------

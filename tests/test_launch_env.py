@@ -1,13 +1,16 @@
 """Launcher detection for World.from_env(), with fake environments (no cluster needed).
 
-A wrong parse here puts the driver on the wrong host or two processes on one rank.
+A wrong parse here puts the driver on the wrong host or two processes on one rank; a wrong port
+collides with torchrun's own store (the world then never starts under a real torchrun).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from bigconv.launch_env import detect, first_slurm_host
+from bigconv.launch_env import AGENT_PORT_OFFSET, detect, first_slurm_host, own_rendezvous
 
 
 def test_torchrun():
@@ -15,14 +18,43 @@ def test_torchrun():
                    "MASTER_ADDR": "node7", "MASTER_PORT": "1234"})
     assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
         ("torchrun", 3, 8, 1, 4)
-    assert (info.master_addr, info.master_port) == ("node7", 1234)
+    assert (info.master_addr, info.master_port, info.port, info.agent_store) == ("node7", 1234, 1234, False)
+
+
+def test_torchrun_agent_store_port_is_left_alone():
+    """torchrun's agent hosts a TCPStore at MASTER_PORT: the world's two ports must lie above it."""
+    info = detect({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "node7", "MASTER_PORT": "29650",
+                   "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert info.agent_store and info.master_port == 29650
+    assert info.port == 29650 + AGENT_PORT_OFFSET
+    assert info.master_port not in (info.port, info.port + 1)
+
+
+@pytest.mark.parametrize("extra", [{}, {"TORCHELASTIC_RUN_ID": "x"}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}])
+def test_bigconv_port_overrides(extra):
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "1000", "BIGCONV_PORT": "4000", **extra}
+    assert detect(env).port == 4000
+    slurm = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "BIGCONV_PORT": "4000"}
+    assert detect(slurm).port == 4000 and detect(slurm).master_port == 29500
+
+
+def test_own_rendezvous_hides_the_agent_store_flag(monkeypatch):
+    """Under the flag, PyTorch's tcp:// rendezvous would make rank 0 a client of a store nobody hosts."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with own_rendezvous():
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+    with own_rendezvous():
+        pass
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
 
 
 def test_slurm_uses_first_node_of_nodelist():
     info = detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                    "SLURM_NODELIST": "gpu[003-004,9]", "SLURM_TASKS_PER_NODE": "4(x2)"})
     assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 5, 8, 1)
-    assert info.master_addr == "gpu003" and info.local_world_size == 4 and info.master_port == 29500
+    assert info.master_addr == "gpu003" and info.local_world_size == 4 and info.master_port == info.port == 29500
 
 
 @pytest.mark.parametrize("nodelist,first", [("login1", "login1"), ("a[1-3]", "a1"), ("n[07,9],m2", "n07")])

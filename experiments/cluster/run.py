@@ -15,7 +15,6 @@ each time, as on a laptop.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import asdict
 
@@ -48,10 +47,6 @@ def main(argv=None) -> None:
         from bigconv import launch_env
 
         launcher = launch_env.detect().launcher
-        if launcher == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ:
-            # torchrun's agent already hosts a store at MASTER_PORT: the world takes the next two ports.
-            os.environ["MASTER_PORT"] = str(int(os.environ.get("MASTER_PORT", launch_env.DEFAULT_PORT)) + 2)
-            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         world = bigconv.World.from_env(device=args.device, timeout=args.timeout)  # workers serve, then exit
         cfg = RunConfig(workers=world.workers, **common)
     if records.config_key(asdict(cfg)) in records.recorded_keys(args.out):
