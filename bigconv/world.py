@@ -41,8 +41,13 @@ DRIVER = "driver"
 #   threshold returns every large tensor to the OS when it is freed.
 # - Fresh pages for every large tensor then cost a page fault per 4 KiB, which doubled step times;
 #   PyTorch's THP_MEM_ALLOC_ENABLE backs large tensors with 2 MiB transparent huge pages instead.
+# - MKL's memory manager keeps a buffer (4.8 MiB for a 16-channel 3x3x3 kernel) in every thread
+#   that ever ran one of its GEMMs, which oneDNN uses for thin or small convolutions such as a
+#   shard's halo slabs. A worker runs each forward on whichever RPC thread is free, so a CNN3D worker
+#   grew by 8 MiB a step, up to one buffer per pool thread (experiments/memory_probe.py measures it).
+#   MKL_DISABLE_FAST_MM frees each buffer after its call; no step-time cost was measurable.
 # Variables already set in the driver's environment win.
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "THP_MEM_ALLOC_ENABLE": "1"}
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "THP_MEM_ALLOC_ENABLE": "1", "MKL_DISABLE_FAST_MM": "1"}
 
 
 def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
