@@ -6,9 +6,11 @@ unlabelled targets. A *code* is the vector an encoder maps an image to (``code_s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SIMILARITIES = ("dann", "mmd")
+GRL_SCHEDULES = ("constant", "dann")
 
 # The bandwidths of the TF original's MMD kernel (domain_separation/utils.py): a kernel per scale s,
 # exp(-|x - y|^2 / (2 s)), so that the loss sees structure at every distance scale of the codes.
@@ -73,7 +75,15 @@ class DSNConfig:
     squared correlations), which cannot be lowered by shrinking the codes. False: the paper's raw
     ||H_c^T H_p||_F^2."""
     grl_scale: float = 1.0
-    """Factor of the gradient reversal layer of DANN (the encoder sees -grl_scale * gradient)."""
+    """Factor of the gradient reversal layer of DANN (the encoder sees -grl_scale * gradient); with
+    ``grl_schedule='dann'`` the factor that the ramp reaches."""
+    grl_schedule: str = "constant"
+    """'constant': the reversal factor is ``grl_scale`` from the end of the warm-up on. 'dann': Ganin &
+    Lempitsky's ramp, ``grl_scale * (2 / (1 + exp(-10 p)) - 1)``, p going from 0 at the end of the warm-up
+    to 1 after ``grl_ramp_steps`` more steps, so that the domain classifier's early, noisy gradient barely
+    reaches the encoder. Only DANN's similarity loss has a reversal layer; MMD ignores both fields."""
+    grl_ramp_steps: int = 1
+    """Steps of the 'dann' ramp after the warm-up (the training steps left after it, for the paper's p)."""
     mmd_scales: tuple[float, ...] = field(default=TF_MMD_SCALES)
     """Kernel scales s of the MMD loss, kernel exp(-|x - y|^2 / (2 s)) summed over s."""
 
@@ -93,6 +103,9 @@ class DSNConfig:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if self.grl_schedule not in GRL_SCHEDULES:
+            raise ValueError(f"grl_schedule must be one of {GRL_SCHEDULES}, got {self.grl_schedule!r}")
+        _positive_int(self.grl_ramp_steps, "grl_ramp_steps")
         if not self.mmd_scales or any(not isinstance(s, (int, float)) or s <= 0 for s in self.mmd_scales):
             raise ValueError(f"mmd_scales must be a non-empty tuple of positive numbers, got {self.mmd_scales!r}")
         for name in ("shared_widths", "private_widths"):
@@ -113,3 +126,10 @@ class DSNConfig:
     def adapting(self, step: int) -> bool:
         """Whether the reconstruction, difference and similarity losses are on at ``step`` (counted from 0)."""
         return step >= self.warmup_steps
+
+    def grl_factor(self, step: int) -> float:
+        """The gradient reversal factor at ``step`` (counted from 0); see ``grl_schedule``."""
+        if self.grl_schedule == "constant":
+            return float(self.grl_scale)
+        p = min(1.0, max(0.0, (step - self.warmup_steps) / self.grl_ramp_steps))
+        return self.grl_scale * (2.0 / (1.0 + math.exp(-10.0 * p)) - 1.0)

@@ -92,13 +92,14 @@ def reconstruction_term(x: torch.Tensor, h_c: torch.Tensor, h_p: torch.Tensor, d
 
 
 def head_terms(cfg: DSNConfig, classifier: nn.Module, domain_classifier: nn.Module | None,
-               shared_codes: Sequence[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-    """[task] before the warm-up ends (only the source's code given), [task, similarity] after."""
+               shared_codes: Sequence[torch.Tensor], labels: torch.Tensor, step: int) -> torch.Tensor:
+    """[task] before the warm-up ends (only the source's code given), [task, similarity] after.
+    ``step`` sets DANN's gradient reversal factor (``cfg.grl_factor``)."""
     task = losses.task_loss(classifier(shared_codes[0]), labels)
     if len(shared_codes) == 1:
         return task.reshape(1)
     if cfg.similarity == "dann":
-        sim = losses.dann_loss(domain_classifier, shared_codes, cfg.grl_scale)
+        sim = losses.dann_loss(domain_classifier, shared_codes, cfg.grl_factor(step))
     else:
         sim = losses.mmd_loss(shared_codes, cfg.mmd_scales)
     return torch.stack([task, sim])
@@ -159,7 +160,7 @@ class DSN(nn.Module):
         if not self.cfg.adapting(step):
             # Warm-up: the task loss alone, and nothing else computed, so unused parts get no gradient.
             return combine(self.cfg, head_terms(self.cfg, self.classifier, None, [self.shared_encoder(images[0])],
-                                                batch.labels), [], [])
+                                                batch.labels, step), [], [])
         shared, recon, difference = [], [], []
         for d, x in enumerate(images):
             h_c, h_p = self.codes(x, d)
@@ -167,7 +168,7 @@ class DSN(nn.Module):
             shared.append(h_c)
             recon.append(terms[0])
             difference.append(terms[1])
-        head = head_terms(self.cfg, self.classifier, self.domain_classifier, shared, batch.labels)
+        head = head_terms(self.cfg, self.classifier, self.domain_classifier, shared, batch.labels, step)
         return combine(self.cfg, head, recon, difference)
 
     def loss(self, batch: Batch, step: int) -> torch.Tensor:

@@ -99,24 +99,24 @@ class DistributedDSN:
         what = f"step {step}"
         with dist_autograd.context() as ctx:
             if self.cfg.adapting(step):
-                terms, took_part = self._adapting_forward(call, images, labels, what)
+                terms, took_part = self._adapting_forward(call, step, images, labels, what)
             else:
-                terms, took_part = self._warmup_forward(call, images[0], labels, what)
+                terms, took_part = self._warmup_forward(call, step, images[0], labels, what)
             self.world.backward(ctx, terms.total, f"backward of {what}")
             futures = [launch(self.world, w, remote.step, self.id, ctx, w in took_part) for w in self.workers]
             wait_named(self.world, futures, f"optimizer {what}")
         self.steps += 1
         return LossTerms(terms.total.detach(), terms.task, terms.recon, terms.difference, terms.similarity)
 
-    def _warmup_forward(self, call: int, x_s: torch.Tensor, labels: torch.Tensor, what: str):
+    def _warmup_forward(self, call: int, step: int, x_s: torch.Tensor, labels: torch.Tensor, what: str):
         p = self.plan
         (h_c,) = wait_named(self.world, [launch(self.world, p.shared_worker(0), remote.encode, self.id, call, 0,
                                                 "shared", x_s, False)], f"source encoder of {what}")
-        (head, _), = wait_named(self.world, [launch(self.world, p.head_worker, remote.head, self.id, [h_c], labels,
-                                                     None)], f"head of {what}")
+        (head, _), = wait_named(self.world, [launch(self.world, p.head_worker, remote.head, self.id, step, [h_c],
+                                                     labels, None)], f"head of {what}")
         return combine(self.cfg, head, [], []), {p.shared_worker(0), p.head_worker}
 
-    def _adapting_forward(self, call: int, images: list[torch.Tensor], labels: torch.Tensor, what: str):
+    def _adapting_forward(self, call: int, step: int, images: list[torch.Tensor], labels: torch.Tensor, what: str):
         p, world, D = self.plan, self.world, self.cfg.num_domains
         local = p.decoder_local
         if p.kind == "domain":
@@ -134,14 +134,14 @@ class DistributedDSN:
             futures = [launch(world, p.private_worker(d), remote.separate, self.id, call, d, images[d], shared[d],
                               local, False, not local) for d in range(D)]
             if local:  # the head needs nothing from the separation step: run it alongside
-                futures.append(launch(world, p.head_worker, remote.head, self.id, shared, labels, None))
+                futures.append(launch(world, p.head_worker, remote.head, self.id, step, shared, labels, None))
             results = wait_named(world, futures, f"separation losses of {what}")
             sep = results[:D]
             if local:
                 return self._combine(sep, results[D]), set(self.workers)
         head_input = None if local else [(images[d], sep[d][1]) for d in range(D)]
-        (head,) = wait_named(world, [launch(world, p.head_worker, remote.head, self.id, shared, labels, head_input)],
-                             f"head of {what}")
+        (head,) = wait_named(world, [launch(world, p.head_worker, remote.head, self.id, step, shared, labels,
+                                            head_input)], f"head of {what}")
         return self._combine(sep, head), set(self.workers)
 
     def _combine(self, sep: Sequence[tuple], head: tuple) -> LossTerms:

@@ -142,15 +142,16 @@ def separate(model_id: int, call: int, domain: int, x: torch.Tensor, shared_code
     return (h_c.cpu() if give_shared else None, h_p.cpu() if give_private else None, terms.cpu())
 
 
-def head(model_id: int, shared_codes: list[torch.Tensor], labels: torch.Tensor,
+def head(model_id: int, step: int, shared_codes: list[torch.Tensor], labels: torch.Tensor,
          reconstruct: list[tuple[torch.Tensor, torch.Tensor]] | None):
-    """(head terms [task] or [task, similarity], reconstruction losses per domain or None).
+    """(head terms [task] or [task, similarity], reconstruction losses per domain or None) at training
+    ``step`` (it sets DANN's gradient reversal factor).
 
     ``reconstruct`` holds (images, private code) per domain when the decoder lives here."""
     p = part(model_id)
     codes = [c.to(p.device) for c in shared_codes]
     dc = p.modules.get("domain_classifier")
-    out = head_terms(p.cfg, p.module("classifier"), dc, codes, labels.to(p.device))
+    out = head_terms(p.cfg, p.module("classifier"), dc, codes, labels.to(p.device), step)
     recon = None
     if reconstruct is not None:
         decoder = p.module("decoder")

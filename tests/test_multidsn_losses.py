@@ -81,6 +81,32 @@ def test_dann_loss_by_hand_and_gradient_reversal():
     assert clf.weight.grad is not None and clf.weight.grad.abs().sum() > 0  # the classifier descends it
 
 
+def test_dann_schedule_ramps_the_reversal_factor():
+    cfg = tiny(warmup_steps=10, grl_schedule="dann", grl_ramp_steps=100, grl_scale=0.5)
+    assert cfg.grl_factor(0) == cfg.grl_factor(10) == 0.0  # off through the warm-up and at its end
+    # Ganin & Lempitsky: lambda_p = 2 / (1 + exp(-10 p)) - 1, p the progress through the ramp
+    assert cfg.grl_factor(35) == pytest.approx(0.5 * (2 / (1 + math.exp(-2.5)) - 1))
+    assert cfg.grl_factor(110) == cfg.grl_factor(10_000) == pytest.approx(0.5 * (2 / (1 + math.exp(-10)) - 1))
+    assert tiny(grl_scale=0.5).grl_factor(0) == 0.5  # constant by default
+    with pytest.raises(ValueError, match="grl_schedule"):
+        tiny(grl_schedule="linear")
+
+
+def test_dann_schedule_scales_the_encoder_gradient_only():
+    cfg = tiny(similarity="dann", grl_schedule="dann", grl_ramp_steps=4, alpha=0.0, beta=0.0)
+    b = batch_for(cfg)
+    grads = []
+    for step in (0, 2):
+        torch.manual_seed(0)
+        dsn = multidsn.DSN(cfg)
+        multidsn.model.head_terms(cfg, dsn.classifier, dsn.domain_classifier,
+                                  [dsn.shared_encoder(x) for x in b.images], b.labels, step)[1].backward()
+        grads.append((dsn.shared_encoder.code.weight.grad.clone(), dsn.domain_classifier[0].weight.grad.clone()))
+    assert grads[0][0].abs().max() == 0  # factor 0 at the ramp's start: the encoder sees nothing
+    assert torch.allclose(grads[0][1], grads[1][1])  # the domain classifier always learns at full rate
+    assert grads[1][0].abs().max() > 0
+
+
 def test_mmd_by_hand():
     x, y = torch.tensor([[0.0]]), torch.tensor([[1.0]])
     # k(x, x) = k(y, y) = 1, k(x, y) = exp(-1 / (2 * 0.5))

@@ -23,11 +23,12 @@ from bigconv import WorkerFailure, World
 TOL = 1e-9
 
 
-def tiny(num_targets: int, similarity: str) -> multidsn.DSNConfig:
-    return multidsn.DSNConfig(image_size=8, channels=2, num_classes=3, num_targets=num_targets, code_size=6,
-                              shared_widths=(4,), private_widths=(3,), decoder_widths=(4,), code_grid=2,
-                              classifier_hidden=5, similarity=similarity, warmup_steps=1, alpha=0.5, beta=0.5,
-                              gamma=0.5)
+def tiny(num_targets: int, similarity: str, **overrides) -> multidsn.DSNConfig:
+    base = {"image_size": 8, "channels": 2, "num_classes": 3, "num_targets": num_targets, "code_size": 6,
+            "shared_widths": (4,), "private_widths": (3,), "decoder_widths": (4,), "code_grid": 2,
+            "classifier_hidden": 5, "similarity": similarity, "warmup_steps": 1, "alpha": 0.5, "beta": 0.5,
+            "gamma": 0.5}
+    return multidsn.DSNConfig(**{**base, **overrides})
 
 
 def batches(cfg: multidsn.DSNConfig, steps: int = 3) -> list[multidsn.Batch]:
@@ -47,8 +48,8 @@ def rel_errors(ref: dict, got: dict) -> dict:
 
 
 def check_equivalence(world: World, num_targets: int, similarity: str, placement: str, decoder: str = "domain",
-                      head: str = "separate") -> None:
-    cfg = tiny(num_targets, similarity)
+                      head: str = "separate", **overrides) -> None:
+    cfg = tiny(num_targets, similarity, **overrides)
     torch.manual_seed(0)
     dsn = multidsn.DSN(cfg).double()
     net = multidsn.parallelize(dsn, world, placement=placement, decoder=decoder, head=head)
@@ -152,6 +153,16 @@ def test_encoder_placement_k1(world, similarity, decoder):
 @pytest.mark.parametrize("similarity", ["dann", "mmd"])
 def test_domain_placement_k3(world, similarity):
     check_equivalence(world, 3, similarity, "domain", head="source")
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("placement, head", [("domain", "separate"), ("encoder", "source")])
+def test_dann_schedule_reaches_the_head_worker(world, placement, head):
+    # The reversal factor ramps after the warm-up: 0 at step 1, 2 x 0.93 at step 2. A head worker that used
+    # another step's factor, or the constant one, would move the shared encoder away from the reference.
+    check_equivalence(world, 1, "dann", placement, head=head, grl_schedule="dann", grl_ramp_steps=3,
+                      grl_scale=2.0)
 
 
 @pytest.mark.world(4)
