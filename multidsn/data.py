@@ -28,7 +28,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 class Domain:
     name: str
     train_x: torch.Tensor
-    """(N, C, H, W) float32 in [0, 1]."""
+    """(N, C, H, W) float32: in [0, 1] as loaded, zero mean and unit variance per image once ``standardized``."""
     train_y: torch.Tensor | None
     """Labels of the training split, or None for an unlabelled domain."""
     test_x: torch.Tensor
@@ -126,6 +126,20 @@ def _read_folder(folder: Path, classes: list[str], image_size: int, channels: in
     x = torch.from_numpy(np.stack(arrays)).reshape(len(arrays), image_size, image_size, channels).permute(0, 3, 1, 2)
     labels = [label for _, label in files]
     return x.contiguous(), (None if labels[0] < 0 else torch.tensor(labels))
+
+
+def standardize(x_NCHW: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """Each image shifted to zero mean and scaled to unit standard deviation over all its pixels and channels
+    (TF's per_image_standardization). It removes a domain's global brightness and contrast, which no
+    convolution of a small source can learn to ignore, and keeps the relations between colours."""
+    flat = x_NCHW.flatten(1)
+    mean, std = flat.mean(1), flat.std(1, unbiased=False).clamp_min(eps)
+    return (x_NCHW - mean[:, None, None, None]) / std[:, None, None, None]
+
+
+def standardized(domain: Domain) -> Domain:
+    """``domain`` with both splits ``standardize``d (labels shared, not copied)."""
+    return Domain(domain.name, standardize(domain.train_x), domain.train_y, standardize(domain.test_x), domain.test_y)
 
 
 class Sampler:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from multidsn import bench, train
-from multidsn.data import Sampler, load_folder_domains, procedural_domains
+from multidsn.data import Sampler, load_folder_domains, procedural_domains, standardize, standardized
 from multidsn.shifts import SHIFTS
 
 
@@ -27,6 +27,19 @@ def test_procedural_domains_shapes_and_splits():
     assert all(float((t.train_x - source.train_x).abs().mean()) > 0.05 for t in targets)
     with pytest.raises(ValueError, match="unknown shift"):
         procedural_domains(1, shifts=["fog"])
+
+
+def test_standardize_removes_brightness_and_contrast_per_image():
+    x = 0.2 + 0.5 * torch.rand(3, 3, 8, 8)
+    z = standardize(x)
+    assert torch.allclose(z.flatten(1).mean(1), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(z.flatten(1).std(1, unbiased=False), torch.ones(3), atol=1e-5)
+    # a per-image gain and offset is gone; the relations between the channels are kept
+    assert torch.allclose(standardize(0.1 + torch.tensor([0.5, 2.0, 1.0])[:, None, None, None] * x), z, atol=1e-4)
+    assert torch.isfinite(standardize(torch.zeros(1, 3, 4, 4))).all()  # a blank image is not divided by 0
+    source, _ = procedural_domains(1, image_size=16, shifts=["contrast"])
+    s = standardized(source)
+    assert s.train_y is source.train_y and s.test_x.shape == source.test_x.shape
 
 
 def test_sampler_gives_checked_batches():
@@ -63,6 +76,16 @@ def test_train_cli_single_process(tmp_path):
     assert set(lines[0]["target_accuracy"]) == {"mnistm"}
     assert summary["gain"] == pytest.approx(lines[0]["mean_target_accuracy"] - lines[1]["mean_target_accuracy"])
     assert isinstance(summary["private_codes_collapsed"], bool) and summary["torch"] == torch.__version__
+    assert summary["normalize"] == "image" and summary["config"]["similarity"] == "dann"
+
+
+@pytest.mark.timeout(120)
+def test_train_cli_picks_targets_by_name(tmp_path):
+    out = tmp_path / "train.jsonl"
+    summary = train.main(["--targets", "2", "--shifts", "noise,invert", "--placement", "single", "--steps", "2",
+                          "--warmup", "1", "--image-size", "16", "--width", "4", "--batch-size", "4",
+                          "--similarity", "dann", "--skip-baseline", "--out", str(out)])
+    assert summary["target_names"] == ["noise", "invert"] and summary["source_only_mean_target_accuracy"] is None
 
 
 def test_bench_single_process():
