@@ -213,11 +213,21 @@ def maxsize_vs_workers(results: list[dict], source: str, out_dir: str, stem: str
     return _save(fig, out_dir, f"{stem}_maxsize")
 
 
+def latest_maxsize(recs: list[dict]) -> list[dict]:
+    """The ``maxsize`` records, the last one per model, worker count, budget, device and batch: a
+    rerun of a search appends its answer again (from the same probes, or more of them)."""
+    latest: dict[tuple, dict] = {}
+    for r in recs:
+        if r.get("kind") == "maxsize":
+            latest[(r["model"], r["workers"], r["budget_bytes"], r.get("device"), r.get("batch"))] = r
+    return list(latest.values())
+
+
 def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
     """Every figure the records of one results file support."""
     stem = os.path.splitext(os.path.basename(path))[0]
     runs = [r for r in recs if r.get("kind") == "run" and r.get("purpose", "sweep") == "sweep"]
-    found = [r for r in recs if r.get("kind") == "maxsize"]
+    found = latest_maxsize(recs)
     paths = []
     for model in sorted({r["model"] for r in runs}):
         mine = [r for r in runs if r["model"] == model]

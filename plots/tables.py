@@ -13,7 +13,7 @@ import argparse
 
 from experiments import records
 from experiments.maxsize import report
-from plots.study import memory_ratios, scaling_size
+from plots.study import latest_maxsize, memory_ratios, scaling_size
 
 MiB = 2**20
 
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
         recs = records.load(path)
         print(f"\n{path}\n")
         runs = [r for r in recs if r.get("kind") == "run" and r.get("purpose", "sweep") == "sweep"]
-        found = [r for r in recs if r.get("kind") == "maxsize"]
+        found = latest_maxsize(recs)
         if runs:
             print("\n".join(memory_table(runs)))
         if found:

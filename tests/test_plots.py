@@ -94,6 +94,19 @@ def test_memory_ratio_at_largest_common_size(results_file):
     assert set(ratios) == {1, 2, 4} and all(0.9 < v < 1.0 for v in ratios.values())
 
 
+def test_a_rerun_search_counts_once():
+    """A rerun of a search appends its answer again; tables and figures use the last one per case."""
+    from plots.study import latest_maxsize
+
+    def found(n, size, budget=128 * MiB):
+        return {"kind": "maxsize", "model": "cnn2d", "workers": n, "budget_bytes": budget, "device": "cpu",
+                "batch": 1, "max_size": size}
+
+    recs = [found(1, 500), found(2, 700), found(1, 563), found(1, 400, budget=64 * MiB), run_record(256, 1, peak=1)]
+    assert sorted((r["workers"], r["budget_bytes"] // MiB, r["max_size"]) for r in latest_maxsize(recs)) == \
+        [(1, 64, 400), (1, 128, 563), (2, 128, 700)]
+
+
 def fake_run(cfg: RunConfig) -> dict:
     """Peak = 1 MiB + 100 B per pixel per worker: the largest fitting edge is known exactly."""
     peak = MiB + 100 * cfg.size ** 2 // max(1, cfg.workers)
