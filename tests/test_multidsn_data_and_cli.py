@@ -76,7 +76,7 @@ def test_train_cli_single_process(tmp_path):
     assert set(lines[0]["target_accuracy"]) == {"mnistm"}
     assert summary["gain"] == pytest.approx(lines[0]["mean_target_accuracy"] - lines[1]["mean_target_accuracy"])
     assert isinstance(summary["private_codes_collapsed"], bool) and summary["torch"] == torch.__version__
-    assert summary["normalize"] == "image" and summary["config"]["similarity"] == "dann"
+    assert summary["normalize"] == "image" and summary["config"]["similarity"] == "mmd"
 
 
 @pytest.mark.timeout(120)
