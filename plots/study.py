@@ -219,7 +219,10 @@ def latest_maxsize(recs: list[dict]) -> list[dict]:
     latest: dict[tuple, dict] = {}
     for r in recs:
         if r.get("kind") == "maxsize":
-            latest[(r["model"], r["workers"], r["budget_bytes"], r.get("device"), r.get("batch"))] = r
+            cfg = r.get("config") or {}
+            key = (r["model"], r["workers"], r["budget_bytes"], r.get("device"), r.get("batch"), cfg.get("targets"),
+                   cfg.get("placement"))
+            latest[key] = r
     return list(latest.values())
 
 
@@ -227,7 +230,8 @@ def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
     """Every figure the records of one results file support."""
     stem = os.path.splitext(os.path.basename(path))[0]
     runs = [r for r in recs if r.get("kind") == "run" and r.get("purpose", "sweep") == "sweep"]
-    found = latest_maxsize(recs)
+    # DSN searches are one case per (targets, placement), not a line over workers: plots.dsn draws them.
+    found = [r for r in latest_maxsize(recs) if (r.get("config") or {}).get("targets") is None]
     paths = []
     for model in sorted({r["model"] for r in runs}):
         mine = [r for r in runs if r["model"] == model]
