@@ -63,3 +63,15 @@ def test_cluster_script(exclusive, tmp_path, script, launcher):
     assert world[0]["grid"] == [1, 1]
     if launcher == "slurm":
         assert [r["workers"] for r in recs] == [0, 1] and recs[0]["launcher"] == "none"
+
+
+def test_launch_scripts_export_the_worker_env():
+    """Launched workers get WORKER_ENV from the script (a local World sets it itself); set values win."""
+    from bigconv.world import WORKER_ENV
+    from experiments.cluster.env import export_lines
+
+    assert export_lines({}) == [f"export {k}={v}" for k, v in WORKER_ENV.items()]
+    assert not any(line.startswith("export MKL_DISABLE_FAST_MM=") for line in export_lines({"MKL_DISABLE_FAST_MM": ""}))
+    for script in ("torchrun_node.sh", "slurm.sbatch", "summit_lsf.sh"):
+        with open(os.path.join(ROOT, "experiments", "cluster", script)) as fh:
+            assert 'eval "$($PY -m experiments.cluster.env)"' in fh.read(), script

@@ -19,6 +19,9 @@
 set -euo pipefail
 cd "${LS_SUBCWD:-.}"
 PY=${PYTHON:-python}
+# The workers' runtime settings (bigconv.world.WORKER_ENV: allocator, huge pages, MKL buffers), as a
+# local World sets them; variables already set win. The plain baseline runs under them too.
+eval "$($PY -m experiments.cluster.env)"
 # compute hosts: the host file's lines after the first (the launch node), without repeats
 NODES=${NODES:-$(awk 'NR > 1' "${LSB_DJOB_HOSTFILE:-/dev/null}" 2>/dev/null | sort -u | wc -l)}
 NODES=$(( NODES > 0 ? NODES : 1 ))
