@@ -1,4 +1,4 @@
-"""Draw every figure the given results files support (see ``plots.study``).
+"""Draw every figure the given results files support (see ``plots.study``; DSN records: ``plots.dsn``).
 
     python -m plots results/*.jsonl --out figures/
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from experiments import records
-from plots.study import draw_file
+from plots import dsn, study
 
 
 def main(argv=None) -> None:
@@ -20,7 +20,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="figures", help="output folder")
     args = parser.parse_args(argv)
     for path in args.results:
-        paths = draw_file(path, records.load(path), args.out)
+        recs = records.load(path)
+        paths = study.draw_file(path, recs, args.out) + dsn.draw_file(path, recs, args.out)
         if not paths:
             print(f"{path}: no sweep or size-search records; skipped")
         for p in paths:

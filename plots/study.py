@@ -229,7 +229,9 @@ def latest_maxsize(recs: list[dict]) -> list[dict]:
 def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
     """Every figure the records of one results file support."""
     stem = os.path.splitext(os.path.basename(path))[0]
-    runs = [r for r in recs if r.get("kind") == "run" and r.get("purpose", "sweep") == "sweep"]
+    # DSN runs are cases (targets, placement), not worker counts: plots.dsn draws them.
+    runs = [r for r in recs if r.get("kind") == "run" and r.get("purpose", "sweep") == "sweep"
+            and r.get("model") != "dsn"]
     # DSN searches are one case per (targets, placement), not a line over workers: plots.dsn draws them.
     found = [r for r in latest_maxsize(recs) if (r.get("config") or {}).get("targets") is None]
     paths = []

@@ -87,3 +87,14 @@ def test_figures_come_from_records(tmp_path):
     names = sorted(os.path.basename(p) for p in paths)
     assert names == sorted(f"fig7_{k}.{e}" for k in ("cases_memory", "cases") for e in ("png", "pdf"))
     assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_plots_command_draws_dsn_records_as_cases(tmp_path, capsys):
+    from plots.__main__ import main as plots_main
+
+    out = str(tmp_path / "fig7.jsonl")
+    for cfg in fig7.sweep_configs([256, 512], [1], ["domain", "encoder"], batch=2, width=8):
+        records.append(out, fake_runner(cfg))
+    plots_main([out, "--out", str(tmp_path / "figs")])
+    # Not the per-worker-count figures: 3 and 5 workers are placements here, not a scaling series.
+    assert sorted(os.listdir(tmp_path / "figs")) == ["fig7_cases_memory.pdf", "fig7_cases_memory.png"]
