@@ -62,7 +62,8 @@ def label(cfg: RunConfig) -> str:
     dims = registry.spec(cfg.model).dims
     who = "single process" if cfg.workers == 0 else f"{cfg.workers} worker{'s' * (cfg.workers > 1)}"
     if cfg.targets is not None:
-        who = f"1 source + {cfg.targets} target{'s' * (cfg.targets > 1)}, {who}"
+        placement = f" ({cfg.placement} placement)" if cfg.placement else ""
+        who = f"1 source + {cfg.targets} target{'s' * (cfg.targets > 1)}, {who}{placement}"
     return f"{cfg.model} {cfg.size}{'^' + str(dims) if dims > 1 else ''} batch {cfg.batch}, {who}"
 
 
