@@ -96,6 +96,7 @@ SHIFTS: dict[str, Callable[[torch.Tensor, np.random.Generator], torch.Tensor]] =
 """In the order ``--targets K`` takes them: the first K. Measured with per-image standardisation (28 px,
 1,000 steps; results/multidsn_train.jsonl and the commit that set this order): MNIST-M, the paper's own
 benchmark, first; then the shifts that leave a source-only model weak while the strokes survive for an
-aligned encoder to use (noise: source-only 34-66%, DANN 80-87%; colour: 44%, which DANN did not raise);
+aligned encoder to use (noise: source-only 33-80% depending on the seed, DSN 57-87%; colour: 44%, which
+neither DANN nor MMD raised);
 then invert, a sign flip that neither model learned (about 11%); last the shifts that standardisation
 nearly removes (texture, blur, contrast: source-only 85-98%), which leave adaptation nothing to do."""
