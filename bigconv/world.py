@@ -250,6 +250,11 @@ class World:
                 return dead
             time.sleep(0.05)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run (or is running): no more remote calls can be made."""
+        return self._closed
+
     def check_usable(self) -> None:
         if self._closed and not self._closing:
             raise RuntimeError("this World is closed; create a new one")

@@ -201,7 +201,7 @@ class DistributedDSN:
 
     def close(self) -> None:
         """Free this model's parts on the workers (the World stays up for other models)."""
-        if not self.world.broken and not self.world._closed:
+        if not self.world.broken and not self.world.closed:
             self._all(remote.uninstall, lambda w: (self.id,), "removing the DSN parts")
 
     def _all(self, fn, args_of, what: str) -> list:

@@ -67,6 +67,10 @@ def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound
     with bigconv.World(workers=1, timeout=30) as world:
         net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 1, 3), nn.AdaptiveAvgPool2d(1)), world)
         assert net(x).shape == (1, 1, 1, 1)
+        assert not world.closed
+    assert world.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        world.check_usable()
 
 
 @pytest.mark.own_world
