@@ -15,7 +15,7 @@ import os
 from collections import defaultdict
 
 from experiments import records
-from plots.study import _footer, _plt, _save, limit_bytes
+from plots.study import _footer, _plt, _save, latest_maxsize, limit_bytes
 
 MiB = 2**20
 _STYLE = {"domain": "-", "encoder": "--"}
@@ -95,11 +95,9 @@ def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
     stem = os.path.splitext(os.path.basename(path))[0]
     runs = [r for r in recs if r.get("kind") == "run" and r.get("model") == "dsn"
             and r.get("purpose", "sweep") == "sweep"]
-    found = [r for r in recs if r.get("kind") == "maxsize" and r.get("model") == "dsn"]
-    latest = {}
-    for r in found:  # a rerun of the search appends its answer again: keep the last per case
-        latest[(case(r), r["workers"])] = r
-    return memory_vs_size(runs, path, out_dir, stem) + maxsize_by_case(list(latest.values()), path, out_dir, stem)
+    # A rerun of the search appends its answer again: the last one per case counts.
+    found = [r for r in latest_maxsize(recs) if r["model"] == "dsn"]
+    return memory_vs_size(runs, path, out_dir, stem) + maxsize_by_case(found, path, out_dir, stem)
 
 
 def main(argv=None) -> None:
