@@ -2,21 +2,19 @@
 (or in this process with ``--placement single``), and report target accuracy per domain.
 
 The baseline is the same network, optimizer, data and placement with the warm-up never ending: only the
-task loss on the labelled source trains it. Results go to ``results/multidsn_train.jsonl`` (one line per
-model, one summary line), with the step time, the hardware, the torch version and the git commit.
+task loss on the labelled source trains it. ``--seeds 0,1,2`` repeats both for every seed (new weights,
+batches, test split and shift randomness) on one World and reports the mean and spread of the gain.
+Results go to ``results/multidsn_train.jsonl`` (one line per model and seed, one summary line), with the
+step time, the hardware, the torch version and the git commit.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import logging
-import os
-import platform
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -25,6 +23,7 @@ from .data import Domain, Sampler, load_folder_domains, procedural_domains, stan
 from .evaluation import accuracy, private_code_report
 from .model import DSN
 from .placement import workers_needed
+from .train_report import report, summarize, write
 from .trainer import make_trainer
 
 log = logging.getLogger("multidsn.train")
@@ -67,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shifts", type=lambda s: s.split(","), default=None,
                    help="procedural targets by name, comma-separated (default: the first K of multidsn.shifts.SHIFTS)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=_seed_list, default=None,
+                   help="several seeds, '0,1,2' or '0-4': both models are trained once per seed and the gain is "
+                        "reported as mean, spread and minimum over them (overrides --seed)")
     p.add_argument("--data", choices=["procedural", "folders"], default="procedural")
     p.add_argument("--root", help="with --data folders: one folder per domain")
     p.add_argument("--source", help="with --data folders: the labelled source folder's name")
@@ -80,6 +82,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="results/multidsn_train.jsonl")
     p.add_argument("--log-every", type=int, default=100)
     return p.parse_args(argv)
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        if "-" in text.strip("-"):
+            lo, hi = (int(v) for v in text.split("-", 1))
+            seeds = list(range(lo, hi + 1))
+        else:
+            seeds = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds takes '0,1,2' or '0-4', not {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds {text!r} must name at least one seed, each once")
+    return seeds
 
 
 def load_data(args) -> tuple[Domain, list[Domain]]:
@@ -129,15 +145,6 @@ def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: l
         model.close()
 
 
-def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "processor": platform.processor() or None, "commit": commit}
-
-
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
@@ -149,68 +156,42 @@ def main(argv: list[str] | None = None) -> dict:
                     decoder_widths=(w, max(1, w // 2)), classifier_hidden=4 * w, similarity=args.similarity,
                     alpha=args.alpha, beta=args.beta, gamma=args.gamma, warmup_steps=warmup,
                     grl_schedule=args.grl_schedule, grl_ramp_steps=max(1, args.steps - warmup))
-    source, targets = load_data(args)
     baseline_cfg = DSNConfig(**{**cfg.__dict__, "warmup_steps": args.steps})  # task loss only, throughout
+    seeds = args.seeds or [args.seed]
+    data = {}
+    for seed in seeds:  # every seed's data before any worker starts: a bad --root or --shifts fails first
+        data[seed] = load_data(_with_seed(args, seed))
     world = None
     if args.placement != "single":
         import bigconv
 
         world = bigconv.World(workers=args.workers or workers_needed(args.targets, args.placement, args.head))
+    runs = []
     try:
-        log.info("data: source %s (%d train), targets %s; %s", source.name, len(source.train_x),
-                 [t.name for t in targets], world or "single process")
-        results = [train_one("dsn", cfg, args, world, source, targets)]
-        if not args.skip_baseline:
-            results.append(train_one("source_only", baseline_cfg, args, world, source, targets))
+        for seed in seeds:
+            seed_args = _with_seed(args, seed)
+            source, targets = data[seed]
+            log.info("seed %d data: source %s (%d train), targets %s; %s", seed, source.name, len(source.train_x),
+                     [t.name for t in targets], world or "single process")
+            run = {"seed": seed, "dsn": train_one("dsn", cfg, seed_args, world, source, targets), "source_only": None}
+            if not args.skip_baseline:
+                run["source_only"] = train_one("source_only", baseline_cfg, seed_args, world, source, targets)
+            runs.append(run)
+            write(args.out, [{"seed": seed, **run[m]} for m in ("dsn", "source_only") if run[m] is not None])  # each seed's models as soon as they finish: a stopped run keeps them
     finally:
         if world is not None:
             world.close()
-    summary = summarize(args, cfg, results, sys.argv[1:] if argv is None else argv)
-    write(args.out, results, summary)
-    report(summary, results)
+    summary = summarize(args, cfg, runs, sys.argv[1:] if argv is None else argv)
+    write(args.out, [summary])
+    log.info("wrote %s", args.out)
+    print(report(summary, runs))
     return summary
 
 
-def summarize(args, cfg: DSNConfig, results: list[dict], argv: list[str]) -> dict:
-    by = {r["model"]: r for r in results}
-    dsn, base = by["dsn"], by.get("source_only")
-    gain = None
-    if base and dsn["mean_target_accuracy"] is not None:
-        gain = dsn["mean_target_accuracy"] - base["mean_target_accuracy"]
-    return {"record": "summary", "command": "python -m multidsn.train " + " ".join(argv),
-            "targets": args.targets, "placement": args.placement, "decoder": args.decoder, "head": args.head,
-            "steps": args.steps, "batch_size": args.batch_size, "optimizer": args.optimizer, "lr": args.lr,
-            "normalize": args.normalize, "target_names": list(dsn["target_accuracy"]),
-            "config": {k: v for k, v in cfg.__dict__.items()},
-            "dsn_mean_target_accuracy": dsn["mean_target_accuracy"],
-            "source_only_mean_target_accuracy": base["mean_target_accuracy"] if base else None,
-            "gain": gain, "private_codes_collapsed": dsn["private_codes"]["collapsed"], **environment()}
-
-
-def write(path: str, results: list[dict], summary: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    with open(path, "a") as f:
-        for r in [*results, summary]:
-            f.write(json.dumps({"time": stamp, **r}, default=str) + "\n")
-    log.info("wrote %s", path)
-
-
-def report(summary: dict, results: list[dict]) -> None:
-    names = list(results[0]["target_accuracy"])
-    rows = [f"{'target':<12}" + "".join(f"{r['model']:>14}" for r in results)]
-    for n in names:
-        rows.append(f"{n:<12}" + "".join(f"{_pct(r['target_accuracy'][n]):>14}" for r in results))
-    rows.append(f"{'mean':<12}" + "".join(f"{_pct(r['mean_target_accuracy']):>14}" for r in results))
-    rows.append(f"{'source':<12}" + "".join(f"{_pct(r['source_accuracy']):>14}" for r in results))
-    print("\n".join(rows))
-    codes = results[0]["private_codes"]
-    print(f"private codes: {'COLLAPSED' if codes['collapsed'] else 'alive'} "
-          f"(private/shared norm per domain: {', '.join(f'{v:.3f}' for v in codes['norm_ratio'])})")
-
-
-def _pct(v) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
+def _with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    out = copy.copy(args)
+    out.seed = seed
+    return out
 
 
 if __name__ == "__main__":

@@ -80,6 +80,35 @@ def test_train_cli_single_process(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_train_cli_several_seeds_reports_the_spread_of_the_gain(tmp_path, capsys):
+    out = tmp_path / "train.jsonl"
+    summary = train.main(["--targets", "1", "--shifts", "noise", "--placement", "single", "--steps", "3",
+                          "--warmup", "1", "--image-size", "16", "--width", "4", "--batch-size", "4",
+                          "--seeds", "3-5", "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r.get("model", r.get("record")), r.get("seed")) for r in lines] == [
+        ("dsn", 3), ("source_only", 3), ("dsn", 4), ("source_only", 4), ("dsn", 5), ("source_only", 5),
+        ("summary", None)]
+    gains = [d["mean_target_accuracy"] - b["mean_target_accuracy"] for d, b in zip(lines[0:6:2], lines[1:6:2])]
+    assert summary["seeds"] == [3, 4, 5] and [p["gain"] for p in summary["per_seed"]] == pytest.approx(gains)
+    assert summary["gain"] == pytest.approx(np.mean(gains))
+    assert summary["gain_std"] == pytest.approx(np.std(gains, ddof=1))
+    assert summary["gain_min"] == pytest.approx(min(gains))
+    noise = [r["target_accuracy"]["noise"] for r in lines[0:6:2]]
+    assert summary["per_target"]["noise"]["dsn"]["mean"] == pytest.approx(np.mean(noise))
+    # the seeds really differ: weights, batches and the test split all follow the seed
+    assert len({json.dumps(r["history"]) for r in lines[0:6:2]}) == 3
+    printed = capsys.readouterr().out
+    assert "seed 3" in printed and "seed 5" in printed and "±" in printed
+
+
+@pytest.mark.parametrize("bad", ["a,b", "2,2", "5-3"])
+def test_train_cli_rejects_bad_seed_lists(bad):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--seeds", bad])
+
+
+@pytest.mark.timeout(120)
 def test_train_cli_picks_targets_by_name(tmp_path):
     out = tmp_path / "train.jsonl"
     summary = train.main(["--targets", "2", "--shifts", "noise,invert", "--placement", "single", "--steps", "2",
