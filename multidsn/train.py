@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decoder", choices=["domain", "head"], default="domain")
     p.add_argument("--head", choices=["separate", "source"], default="separate")
     p.add_argument("--workers", type=int, default=None, help="World size (default: what the placement needs)")
-    p.add_argument("--steps", type=int, default=1000)
+    # 3,000: over seeds 0-2 (mnistm + noise, MMD) the gain went from +20.8/-3.9/+7.1 points at 1,000 steps to
+    # +19.8/+6.4/+16.3, the DSN's noise accuracy rising from 69-74% to 74-83% while source-only's stayed put.
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=None, help="task-only steps first (default: steps // 5)")
     p.add_argument("--batch-size", type=int, default=32, help="images per domain per step")
     p.add_argument("--image-size", type=int, default=28)
