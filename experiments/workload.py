@@ -19,6 +19,7 @@ import torch
 import bigconv
 from bigconv import worker
 from bigconv.memory import PeakMeter
+from bigconv.provenance import source_commit
 from bigconv.world import WORKER_ENV
 from experiments import recorder, registry
 from experiments.recorder import Recorder
@@ -169,14 +170,8 @@ def _cpu_model() -> str:
 
 def environment() -> dict:
     """Hardware, versions and commit, for every record."""
-    here = os.path.dirname(__file__)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=here).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                    text=True, cwd=here).stdout.strip())
-    except OSError:
-        commit, dirty = None, None
+    commit, dirty = source_commit()
+    commit = commit[:7] if commit else None  # the short hash, as records written before carry
     gpu = torch.cuda.is_available()
     pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu": platform.processor() or

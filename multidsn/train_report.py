@@ -11,22 +11,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from bigconv.provenance import source_commit
+
 
 def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        commit = f"{commit} (dirty)" if commit and dirty else commit
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit, dirty = source_commit()
+    commit = f"{commit} (dirty)" if dirty else commit
     return {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "processor": platform.processor() or None, "commit": commit}
 
