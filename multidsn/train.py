@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
             if not args.skip_baseline:
                 run["source_only"] = train_one("source_only", baseline_cfg, seed_args, world, source, targets)
             runs.append(run)
-            write(args.out, [{"seed": seed, **run[m]} for m in ("dsn", "source_only") if run[m] is not None])  # each seed's models as soon as they finish: a stopped run keeps them
+            # each seed's lines as soon as its models finish: a stopped run keeps them
+            write(args.out, [{"seed": seed, **run[m]} for m in ("dsn", "source_only") if run[m] is not None])
     finally:
         if world is not None:
             world.close()
