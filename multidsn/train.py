@@ -147,18 +147,28 @@ def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: l
         model.close()
 
 
+def model_config(args: argparse.Namespace) -> DSNConfig:
+    """The DSN the command line describes; the widths of every part follow from ``--width``."""
+    warmup = args.steps // 5 if args.warmup is None else args.warmup
+    w = args.width
+    return DSNConfig(image_size=args.image_size, channels=3, num_classes=10, num_targets=args.targets,
+                     code_size=args.code_size, shared_widths=(w, 2 * w), private_widths=(max(1, w // 2), w),
+                     decoder_widths=(w, max(1, w // 2)), classifier_hidden=4 * w, similarity=args.similarity,
+                     alpha=args.alpha, beta=args.beta, gamma=args.gamma, warmup_steps=warmup,
+                     grl_schedule=args.grl_schedule, grl_ramp_steps=max(1, args.steps - warmup))
+
+
+def task_only(cfg: DSNConfig, steps: int) -> DSNConfig:
+    """``cfg`` with the warm-up never ending in ``steps``: only the task loss trains it."""
+    return DSNConfig(**{**cfg.__dict__, "warmup_steps": steps})
+
+
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    warmup = args.steps // 5 if args.warmup is None else args.warmup
-    w = args.width
-    cfg = DSNConfig(image_size=args.image_size, channels=3, num_classes=10, num_targets=args.targets,
-                    code_size=args.code_size, shared_widths=(w, 2 * w), private_widths=(max(1, w // 2), w),
-                    decoder_widths=(w, max(1, w // 2)), classifier_hidden=4 * w, similarity=args.similarity,
-                    alpha=args.alpha, beta=args.beta, gamma=args.gamma, warmup_steps=warmup,
-                    grl_schedule=args.grl_schedule, grl_ramp_steps=max(1, args.steps - warmup))
-    baseline_cfg = DSNConfig(**{**cfg.__dict__, "warmup_steps": args.steps})  # task loss only, throughout
+    cfg = model_config(args)
+    baseline_cfg = task_only(cfg, args.steps)
     seeds = args.seeds or [args.seed]
     data = {}
     for seed in seeds:  # every seed's data before any worker starts: a bad --root or --shifts fails first
