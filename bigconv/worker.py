@@ -138,6 +138,10 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="You are using a Backend")
     # `kill -USR1 <pid>` prints every thread's stack: the first thing to look at when a worker hangs.
     faulthandler.register(signal.SIGUSR1)
+    # Before any model is unpickled here: a torchvision model must import on a CPU-only torch.
+    from .compat import allow_torchvision_without_ops
+
+    allow_torchvision_without_ops()
     spec = json.loads(os.environ["BIGCONV_WORKER"])
     serve(**spec)
 
