@@ -6,9 +6,8 @@ convolves its own data into its whole output while halos are in flight, then add
 contribution to the border slabs (convolution is linear). The output is cut the same way as every
 tensor: balanced over the grid.
 
-``DryRunExecutor`` runs in the driver on meta tensors over the whole image. It checks that every
-layer's output can still be split over the grid, before any remote work, and tells the driver
-what the output looks like.
+The driver's dry run (``bigconv.dry_run``) runs this same executor for every shard, on meta
+tensors, with an in-process transport: whatever a worker would raise, the dry run raises first.
 """
 
 from __future__ import annotations
@@ -170,14 +169,30 @@ class ShardExecutor:
         self.call = call
         self.rt = transport.runtime()
         self.coord = coord_of(self.rt.index, grid)
-        self.exchanges = itertools.count()
+        self.exchange = 0
+        self.recorders: list[dict] = []
+        """Caches that keep what this forward receives, for a checkpointed block's recompute."""
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(b - a for a, b in shard_box(shape, self.grid, self.coord))
 
+    # Every message of a forward goes through these, keyed by (call, exchange, sender, ...).
+    def _next_key(self) -> tuple[int, int]:
+        self.exchange += 1
+        return (self.call, self.exchange - 1)
+
+    def _push(self, dst: int, key: tuple, tensor: torch.Tensor) -> None:
+        transport.push(dst, key, tensor)
+
+    def _take(self, src: int, key: tuple, describe: str) -> torch.Tensor:
+        tensor = transport.take(src, key, describe)
+        for cache in self.recorders:
+            cache[key] = tensor
+        return tensor
+
     def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
         out_shape = check_output_fits(shape, windows, self.grid, where)
-        key = (self.call, next(self.exchanges))
+        key = self._next_key()
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
         x = self._push_halos(x, shape, windows, my_box, key, first)
@@ -228,7 +243,7 @@ class ShardExecutor:
 
     def gather_window(self, x, shape, windows) -> torch.Tensor:
         """The exchange on its own: this shard's whole zero-padded input window, from its owners."""
-        key = (self.call, next(self.exchanges))
+        key = self._next_key()
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
         x = self._push_halos(x, shape, windows, my_box, key, first)
@@ -251,7 +266,7 @@ class ShardExecutor:
             return x
         x, *pieces = _SendPieces.apply(x, *indices)
         for index, piece in zip(targets, pieces):
-            transport.push(index, key + (self.rt.index,), piece)
+            self._push(index, key + (self.rt.index,), piece)
         return x
 
     def _receive_halos(self, plan: HaloPlan, x, my_box: Box, key, where: str) -> dict:
@@ -262,7 +277,7 @@ class ShardExecutor:
             else:
                 src = index_of(owner, self.grid)
                 what = f"halo {key[1]} of call {key[0]} for {where}"
-                sources[owner] = (transport.take(src, key + (src,), what), box)
+                sources[owner] = (self._take(src, key + (src,), what), box)
         return sources
 
     def _region(self, out_box: Box, windows, shape, sources: dict, first: int, own_as_zeros: bool = False,
@@ -301,12 +316,12 @@ class ShardExecutor:
 
     def allgather(self, partial: torch.Tensor, what: str = "partial sum") -> list[torch.Tensor]:
         """Every shard's ``partial``, in worker order, on every worker (differentiably)."""
-        key = (self.call, next(self.exchanges))
+        key = self._next_key()
         for index in range(self.rt.workers):
             if index != self.rt.index:
-                transport.push(index, key + (self.rt.index,), partial)
+                self._push(index, key + (self.rt.index,), partial)
         return [
-            partial if i == self.rt.index else transport.take(i, key + (i,), f"{what} {key[1]} of call {key[0]}")
+            partial if i == self.rt.index else self._take(i, key + (i,), f"{what} {key[1]} of call {key[0]}")
             for i in range(self.rt.workers)
         ]
 
@@ -315,15 +330,16 @@ class ShardExecutor:
         return functools.reduce(torch.add, self.allgather(partial))
 
     # -- ops beyond convolution ------------------------------------------------------------------
-    dry = False
-
     def fits(self, shape: Sequence[int]) -> bool:
         return all(n >= g for n, g in zip(shape, self.grid))
 
-    def local_part(self, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        """This shard's part of a whole (replicated) tensor of spatial ``shape``."""
-        lead = (slice(None),) * (t.dim() - len(self.grid))
-        return t[lead + tuple(slice(a, b) for a, b in shard_box(shape, self.grid, self.coord))]
+    def local_part(self, t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None) -> torch.Tensor:
+        """This shard's part of a whole tensor of spatial ``shape`` whose spatial dims sit at ``dims``
+        (negative; default the trailing ones)."""
+        index = [slice(None)] * t.dim()
+        for d, (a, b) in zip(dims or range(-len(self.grid), 0), shard_box(shape, self.grid, self.coord)):
+            index[d] = slice(a, b)
+        return t[tuple(index)]
 
     def gather_all(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """The whole tensor on every worker, for maps too small to split over the grid."""
@@ -336,7 +352,7 @@ class ShardExecutor:
         border) and ``op(region, box)`` computes its output box from it, where ``box`` is the
         region's global input box (``want`` with padding, the clipped box without).
         """
-        key = (self.call, next(self.exchanges))
+        key = self._next_key()
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
         x = self._push_halos(x, shape, windows, my_box, key, first)
@@ -367,7 +383,7 @@ class ShardExecutor:
         Each shard reads exactly the inputs its outputs' taps name, wherever they live (circular
         padding wraps around the image), and ``apply(region, taps)`` evaluates the taps on them.
         """
-        key = (self.call, next(self.exchanges))
+        key = self._next_key()
         first = x.dim() - len(self.grid)
         lead = (slice(None),) * first
         out_shape = [m.n_out for m in maps]
@@ -391,7 +407,7 @@ class ShardExecutor:
         if targets:
             x, *pieces = _SendPieces.apply(x, *indices)
             for (index, number), piece in zip(targets, pieces):
-                transport.push(index, key + (self.rt.index, number), piece)
+                self._push(index, key + (self.rt.index, number), piece)
 
         taps, my_runs = wants(self.coord)
         counters: dict[tuple[int, ...], int] = {}
@@ -405,7 +421,7 @@ class ShardExecutor:
                 src = index_of(owner, self.grid)
                 number = counters.get(owner, 0)
                 counters[owner] = number + 1
-                piece = transport.take(src, key + (src, number), f"index-map input {key[1]} of call {key[0]} "
+                piece = self._take(src, key + (src, number), f"index-map input {key[1]} of call {key[0]} "
                                                                   f"for {where}")
             blocks[tuple(i for i, _ in combo)] = piece
         region = nested_cat(blocks, [list(range(len(r))) for r in my_runs], first)
@@ -414,35 +430,6 @@ class ShardExecutor:
             position = {g: i for i, g in enumerate(i for _, (a, b) in axis_runs for i in range(a, b))}
             local.append([([position[i] for i in idx], w) for idx, w in t])
         return apply(region, local)
-
-
-class DryRunExecutor:
-    """The whole image at once, on meta tensors."""
-
-    def __init__(self, grid: tuple[int, ...]) -> None:
-        self.grid = grid
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(shape)
-
-    def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
-        out_shape = check_output_fits(shape, windows, self.grid, where)
-        out = op(F.pad(x, pad_spec([(w.pad_lo, w.pad_hi) for w in windows])))
-        return mark(out, out_shape)
-
-    def allsum(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial
-
-    dry = True
-
-    def fits(self, shape: Sequence[int]) -> bool:
-        return all(n >= g for n, g in zip(shape, self.grid))
-
-    def local_part(self, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        return t
-
-    def gather_all(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-        return x
 
 
 def split_shards(x: torch.Tensor, grid: Sequence[int]) -> list[torch.Tensor]:

@@ -7,7 +7,6 @@ at the first call with a new input shape.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass
 from typing import Callable
@@ -18,10 +17,11 @@ import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 from . import losses, worker
-from .executors import DryRunExecutor, join_shards, split_shards
+from .dry_run import dry_run, meta_copy
+from .executors import join_shards, split_shards
 from .geometry import choose_grid, shard_box, all_coords, validate_grid
 from .replica import to_payload
-from .sharding import ModulePath, ShardMode, UnsupportedOperation, global_shape, mark
+from .sharding import UnsupportedOperation
 from .support import check_modules, conv_dims
 from .world import World
 
@@ -56,18 +56,6 @@ class _PickFirst(torch.autograd.Function):
         return (grad,) + tuple(torch.zeros_like(grad) for _ in range(ctx.n - 1))
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """The model on meta tensors for the dry run; scalar buffers stay real, because forward code
-    may read them (BatchNorm with momentum=None divides by ``num_batches_tracked``)."""
-    meta = copy.deepcopy(model)
-    scalars = {name: buf for name, buf in meta.named_buffers() if buf.dim() == 0}
-    meta.to("meta")
-    for name, buf in scalars.items():
-        owner, _, attr = name.rpartition(".")
-        setattr(meta.get_submodule(owner) if owner else meta, attr, buf)
-    return meta
-
-
 class ParallelModel:
     """A model whose forward and training run on the workers of a ``World``."""
 
@@ -82,8 +70,7 @@ class ParallelModel:
         self.grid = validate_grid(grid, world.workers) if grid is not None else None
         self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
         self.training = model.training
-        self._meta = _meta_copy(model)
-        self._meta_path = ModulePath(self._meta)
+        self._meta = meta_copy(model)
         self._plans: dict[tuple, Plan] = {}
         self._calls = itertools.count(1)
         self.id = next(_model_ids)
@@ -117,22 +104,17 @@ class ParallelModel:
                     f"the image has {n} positions along spatial dim {axis} but the grid {grid} cuts it into {g} "
                     f"shards; use at most {n} shards on that axis"
                 )
-        probe = mark(torch.empty(x.shape, dtype=x.dtype, device="meta"), shape)
-        self._meta.train(self.training)
-        self._meta_path.stack.clear()
         try:
-            with torch.no_grad(), ShardMode(DryRunExecutor(grid), self._meta_path):
-                out = self._meta(probe)
+            result = dry_run(self._meta, grid, tuple(x.shape), x.dtype, self.training)
         except UnsupportedOperation:
             raise
-        except (RuntimeError, TypeError, IndexError) as exc:
+        except (RuntimeError, TypeError, IndexError, NotImplementedError) as exc:
             raise ValueError(
                 f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
-                f"(found in a dry run, before any remote work): {exc}"
+                f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
-        if not isinstance(out, torch.Tensor):
-            raise UnsupportedOperation(f"the model returns {type(out).__name__}; bigconv supports one output tensor")
-        return Plan(grid, shape, global_shape(out), tuple(out.shape))
+        return Plan(grid, shape, result.out_shape, result.out_full_shape)
 
     # -- training API -----------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:

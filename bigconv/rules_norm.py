@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .sharding import RULES, ShardMode, bind, global_shape, mark
+from .sharding import LAYOUT_AWARE, RULES, ShardMode, bind, global_shape, mark
 
 
 class _LocalMoments(torch.autograd.Function):
@@ -100,9 +100,10 @@ def _normalize(x, mean, var, eps, weight, bias, channel_view):
 
 
 def _update_running(running: torch.Tensor | None, value: torch.Tensor, momentum: float) -> None:
+    # Through .data: PyTorch's fused kernel updates running statistics without bumping their version
+    # counter, and a module used twice in one forward (its first call's backward saved them) relies on it.
     if running is not None:
-        with torch.no_grad():
-            running.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+        running.data.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
 
 
 _BN_NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -112,7 +113,7 @@ def _batch_norm(mode: ShardMode, func, args, kwargs):
     b = bind(_BN_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     training, momentum, eps = b.get("training", False), b.get("momentum", 0.1), b.get("eps", 1e-5)
-    if mode.executor.dry or not training:  # eval: running statistics, a per-channel affine map
+    if not training:  # eval: running statistics, a per-channel affine map
         return mode.tag_outputs(func(*args, **kwargs), shape)
     spatial = list(range(2, x.dim()))
     mean, var, total = whole_stats(mode, x, [0] + spatial, shape, [0])
@@ -130,7 +131,7 @@ def _instance_norm(mode: ShardMode, func, args, kwargs):
     b = bind(_IN_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     use_input_stats, momentum, eps = b.get("use_input_stats", True), b.get("momentum", 0.1), b.get("eps", 1e-5)
-    if mode.executor.dry or not use_input_stats:
+    if not use_input_stats:
         return mode.tag_outputs(func(*args, **kwargs), shape)
     spatial = list(range(2, x.dim()))
     mean, var, total = whole_stats(mode, x, spatial, shape, [])
@@ -148,7 +149,7 @@ _GN_NAMES = ("input", "num_groups", "weight", "bias", "eps")
 def _group_norm(mode: ShardMode, func, args, kwargs):
     b = bind(_GN_NAMES, args, kwargs)
     x, shape, groups = b["input"], global_shape(b["input"]), b["num_groups"]
-    if mode.executor.dry or x.shape[1] % groups:
+    if x.shape[1] % groups:
         return mode.tag_outputs(func(*args, **kwargs), shape)  # PyTorch raises its own error if indivisible
     n, c = x.shape[:2]
     grouped = x.reshape(n, groups, c // groups, *x.shape[2:])
@@ -163,15 +164,21 @@ _LN_NAMES = ("input", "normalized_shape", "weight", "bias", "eps")
 
 
 def _layer_norm(mode: ShardMode, func, args, kwargs):
+    """Over channels of a channels-last view (ConvNeXt): per position. Over every spatial dim: whole-image
+    statistics. Over some spatial dims only: refused."""
     b = bind(_LN_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     normalized = list(b["normalized_shape"])
-    if len(normalized) < mode.dims:
+    over = set(range(-len(normalized), 0))
+    spatial = set(mode.layout(x))
+    if not over & spatial:
+        return mode.tag_outputs(func(*args, **kwargs), shape, mode.layout(x))
+    if not spatial <= over:
         raise mode.unsupported(
-            func, f"it normalizes over {len(normalized)} of the {mode.dims} spatial dims",
-            "Normalize over all spatial dims, e.g. LayerNorm([C, *spatial]), or use GroupNorm(1, C)")
-    if mode.executor.dry:
-        return mode.tag_outputs(func(*args, **kwargs), shape)
+            func, f"it normalizes over {len(over & spatial)} of the {mode.dims} spatial dims",
+            "Normalize over all spatial dims, e.g. LayerNorm([C, *spatial]), or over channels only "
+            "(a channels-last view), or use GroupNorm(1, C)")
+    mode.require_channels_first(func, [x])
     dims = list(range(x.dim() - len(normalized), x.dim()))
     mean, var, _ = whole_stats(mode, x, dims, shape, dims[: len(normalized) - mode.dims])
     # Elementwise weights vary over the image: each shard uses its own part of them.
@@ -184,3 +191,4 @@ RULES[F.batch_norm] = _batch_norm
 RULES[F.instance_norm] = _instance_norm
 RULES[F.group_norm] = _group_norm
 RULES[F.layer_norm] = _layer_norm
+LAYOUT_AWARE.add(F.layer_norm)

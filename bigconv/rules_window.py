@@ -4,19 +4,58 @@ Each rule computes, for this shard's part of the output, exactly what a single p
 there: the input it reads is joined from its owners (``region_op``, ``index_map``), and the global
 image border is reproduced explicitly (``-inf`` for max pooling, global divisors for average
 pooling, output padding for transposed convolution). A result whose spatial size would be smaller
-than the grid is computed whole on every worker instead (see ``ShardMode.replicate``).
+than the grid is computed whole on every worker instead (see ``ShardMode.windowed_whole``).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .geometry import TransposedWindow, Window
+from .geometry import TransposedWindow, Window, shard_box
 from .index_maps import PadMap, Resize, resize_sizes
-from .sharding import RULES, ShardMode, bind, global_shape, mark, ntuple, with_input
+from .sharding import RULES, WHOLE_RULES, ShardMode, bind, global_shape, mark, ntuple, with_input
+
+
+def _conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
+    n = len(kernel)
+    expand = lambda v: [v] * n if isinstance(v, int) else list(v)  # noqa: E731
+    stride, dilation = expand(stride), expand(dilation)
+    windows = []
+    for k, s, d, p in zip(kernel, stride, dilation, expand(0 if padding == "valid" else padding)
+                          if not padding == "same" else [None] * n):
+        if p is None:  # 'same': PyTorch puts the odd extra pad on the high side
+            total = d * (k - 1)
+            windows.append(Window(k, s, d, total // 2, total - total // 2))
+        else:
+            windows.append(Window(k, s, d, p, p))
+    return windows
+
+
+def _conv(mode: ShardMode, func, args, kwargs):
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    b = dict(zip(names, args), **kwargs)
+    x, weight = b["input"], b["weight"]
+    shape = global_shape(x)
+    if shape is None or global_shape(weight) is not None:
+        raise mode.unsupported(func, "its weight is sharded", "Convolve a sharded input with an ordinary weight.")
+    stride, dilation, groups = b.get("stride", 1), b.get("dilation", 1), b.get("groups", 1)
+    windows = _conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
+    if len(windows) != mode.dims:
+        raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid",
+                               "Use a grid with one axis per spatial dim.")
+
+    def op(region: torch.Tensor, padding=0, bias: bool = True) -> torch.Tensor:
+        return func(region, weight, b.get("bias") if bias else None, stride, padding, dilation, groups)
+
+    out_shape = tuple(w.out_size(n) for w, n in zip(windows, shape))
+    if all(m > 0 for m in out_shape) and not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, with_input(func, args, kwargs))
+    return mode.executor.windowed(x, shape, windows, op, mode.where())
+
 
 
 def _pool_windows(mode: ShardMode, b: dict, dilation=1) -> list[Window]:
@@ -44,7 +83,7 @@ def _max_pool(mode: ShardMode, func, args, kwargs):
     windows = _pool_windows(mode, b, b.get("dilation", 1))
     out_shape = _out_shape(windows, shape)
     whole = with_input(func, args, kwargs)
-    if mode.executor.dry or not mode.executor.fits(out_shape):
+    if not mode.executor.fits(out_shape):
         return mode.windowed_whole(x, shape, out_shape, whole)
 
     def op(region, plan):
@@ -78,7 +117,7 @@ def _avg_pool(mode: ShardMode, func, args, kwargs):
     windows = _pool_windows(mode, b)
     out_shape = _out_shape(windows, shape)
     whole = with_input(func, args, kwargs)
-    if mode.executor.dry or not mode.executor.fits(out_shape):
+    if not mode.executor.fits(out_shape):
         return mode.windowed_whole(x, shape, out_shape, whole)
     count_include_pad = b.get("count_include_pad", True)
     override = b.get("divisor_override")
@@ -150,7 +189,7 @@ def _conv_transpose(mode: ShardMode, func, args, kwargs):
     windows = [TransposedWindow(k, s, d, p, op) for k, s, d, p, op in zip(kernel, stride, dilation, padding, out_pad)]
     out_shape = _out_shape(windows, shape)
     whole = with_input(func, args, kwargs)
-    if mode.executor.dry or not mode.executor.fits(out_shape):
+    if not mode.executor.fits(out_shape):
         return mode.windowed_whole(x, shape, out_shape, whole)
 
     def op(region, plan):
@@ -193,7 +232,7 @@ def _apply_taps(region: torch.Tensor, taps, dims: int) -> torch.Tensor:
 
 def _index_map(mode: ShardMode, x, shape, maps, whole):
     out_shape = tuple(m.n_out for m in maps)
-    if mode.executor.dry or not mode.executor.fits(out_shape):
+    if not mode.executor.fits(out_shape):
         return mode.windowed_whole(x, shape, out_shape, whole)
     out = mode.executor.index_map(x, shape, maps, lambda r, t: _apply_taps(r, t, mode.dims), mode.where())
     return mark(out, out_shape)
@@ -219,7 +258,7 @@ def _pad(mode: ShardMode, func, args, kwargs):
     if kind == "constant":
         windows = [Window(1, 1, 1, lo, hi) for lo, hi in spatial]
         out_shape = _out_shape(windows, shape)
-        if mode.executor.dry or not mode.executor.fits(out_shape):
+        if not mode.executor.fits(out_shape):
             return mode.windowed_whole(x, shape, out_shape, whole)
         out = mode.executor.region_op(x, shape, windows, lambda region, plan: region, mode.where(),
                                       fill=value)
@@ -236,24 +275,52 @@ _INTERP_NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "reco
 _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
 
-def _interpolate(mode: ShardMode, func, args, kwargs):
+def _resize_maps(mode: ShardMode, func, args, kwargs, shape):
     b = bind(_INTERP_NAMES, args, kwargs)
-    x, shape = b["input"], global_shape(b["input"])
     kind = b.get("mode", "nearest")
-    whole = with_input(func, args, kwargs)
     if kind not in ("nearest", "nearest-exact") and kind not in _LINEAR:
         raise mode.unsupported(func, f"mode {kind!r} is not supported on sharded tensors",
                                "Use mode 'nearest', 'nearest-exact', 'linear', 'bilinear' or 'trilinear'")
     if kind in _LINEAR and _LINEAR[kind] != mode.dims:
-        return whole(x)  # PyTorch's own error for a mode of the wrong rank
+        return None  # PyTorch's own error for a mode of the wrong rank
     sizes, scales = resize_sizes(shape, b.get("size"), b.get("scale_factor"), b.get("recompute_scale_factor"))
     if b.get("antialias") and any(s < n for s, n in zip(sizes, shape)):
         raise mode.unsupported(func, "antialiased downsampling", "Use antialias=False, or pool instead")
     tap_mode = "linear" if kind in _LINEAR else kind
-    maps = [Resize(n, s, tap_mode, bool(b.get("align_corners")), sc) for n, s, sc in zip(shape, sizes, scales)]
-    return _index_map(mode, x, shape, maps, whole)
+    return [Resize(n, s, tap_mode, bool(b.get("align_corners")), sc) for n, s, sc in zip(shape, sizes, scales)]
 
 
+def _interpolate(mode: ShardMode, func, args, kwargs):
+    x = args[0] if args else kwargs["input"]
+    shape = global_shape(x)
+    maps = _resize_maps(mode, func, args, kwargs, shape)
+    whole = with_input(func, args, kwargs)
+    return whole(x) if maps is None else _index_map(mode, x, shape, maps, whole)
+
+
+def _interpolate_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
+    """A whole map (a pooled context vector, a replicated deep map) resized to a shardable size.
+
+    Each shard evaluates only its own outputs' taps on the whole input it already holds (ASPP's
+    image pooling, PSP's pyramid, LRASPP's gate upsampled back to the image): no full-size map is
+    built, and no data moves.
+    """
+    x = args[0] if args else kwargs["input"]
+    if x.dim() != mode.dims + 2:
+        return func(*args, **kwargs)
+    shape = tuple(x.shape[2:])
+    maps = _resize_maps(mode, func, args, kwargs, shape)
+    out_shape = tuple(m.n_out for m in maps) if maps else None
+    if maps is None or not mode.executor.fits(out_shape) or not (replicated or out_shape in mode.known):
+        out = func(*args, **kwargs)
+        return mode.after_replicated(out) if replicated else out
+    box = shard_box(out_shape, mode.executor.grid, mode.executor.coord)
+    taps = [m.taps(o) for m, o in zip(maps, box)]
+    return mark(_apply_taps(x, taps, mode.dims), out_shape)
+
+
+for _f in (F.conv1d, F.conv2d, F.conv3d):
+    RULES[_f] = _conv
 for _f in (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool1d_with_indices, F.max_pool2d_with_indices,
            F.max_pool3d_with_indices):
     RULES[_f] = _max_pool
@@ -267,3 +334,4 @@ for _f in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
     RULES[_f] = _conv_transpose
 RULES[F.pad] = _pad
 RULES[F.interpolate] = _interpolate
+WHOLE_RULES[F.interpolate] = _interpolate_whole

@@ -1,15 +1,27 @@
 """Which tensors are sharded, and what each torch operation means on them.
 
-A sharded tensor is an ordinary local tensor carrying its *global* spatial shape as an attribute;
-its extent is the balanced share of that shape at this worker's grid coordinate. ``ShardMode`` is a
-``TorchFunctionMode`` that sees every torch call the user's unchanged ``forward`` makes:
+A sharded tensor is an ordinary local tensor carrying its *global* spatial shape as an attribute,
+and, when a layout op moved them (``permute`` to channels-last), the positions of its spatial dims
+counted from the end. Its extent is the balanced share of that shape at this worker's grid
+coordinate. ``ShardMode`` is a ``TorchFunctionMode`` that sees every torch call the user's
+unchanged ``forward`` makes:
 
-- calls with no sharded argument run as they are (weights, the replicated head);
-- pointwise and channel-wise calls run on the shard and keep the spec;
-- windowed calls (convolution) and global reductions go to an *executor*, which either exchanges
-  halos with other workers or, in the driver's dry run, checks the geometry of every shard on meta
-  tensors;
+- size queries (``x.shape``, ``x.size()``, ``x.numel()``) answer with the global shape, so code
+  that computes sizes from its input (``F.interpolate(y, size=x.shape[-2:])``, TF "same" padding)
+  computes what a single process computes; factories given such a size build this shard's part;
+- calls with no sharded argument run as they are (weights, the replicated head), except those that
+  turn a whole map into one of an image's size (``interpolate``, ``expand``), which build this
+  shard's part of the result;
+- every other call on a sharded tensor goes to its rule (``rules_layout``, ``rules_reduce``,
+  ``rules_window``, ``rules_norm``), which runs it on the shard and exchanges what it needs through
+  an *executor*;
 - anything else raises ``UnsupportedOperation`` naming the module, so nothing is silently wrong.
+
+Why the mode answers size queries rather than a tensor subclass carrying the global shape (as
+DTensor and ShardTensor do): the mode already sees every call of the forward, so one object holds
+the whole contract, every intermediate tensor stays a plain tensor that PyTorch's kernels and
+autograd handle at full speed, and the driver's dry run executes the very same rules on meta
+tensors (``bigconv.dry_run``).
 """
 
 from __future__ import annotations
@@ -17,13 +29,12 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .geometry import Window
-
 GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
+SPATIAL_DIMS_ATTR = "_bigconv_spatial_dims"
+"""Negative positions of the spatial dims, in grid-axis order, when they are not the trailing ones."""
 REPLICATED_ATTR = "_bigconv_replicated"
 """Marks a whole spatial map held by every worker: one too small to split over the grid."""
 
@@ -51,9 +62,30 @@ def global_shape(t: object) -> tuple[int, ...] | None:
     return getattr(t, GLOBAL_SHAPE_ATTR, None) if isinstance(t, torch.Tensor) else None
 
 
-def mark(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+def trailing(n: int) -> tuple[int, ...]:
+    return tuple(range(-n, 0))
+
+
+def spatial_dims(t: torch.Tensor, n: int) -> tuple[int, ...]:
+    """Negative positions of a sharded tensor's spatial dims (the last ``n`` unless a layout op moved them)."""
+    return getattr(t, SPATIAL_DIMS_ATTR, None) or trailing(n)
+
+
+def mark(t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None) -> torch.Tensor:
     setattr(t, GLOBAL_SHAPE_ATTR, tuple(shape))
+    if dims is not None and tuple(dims) != trailing(len(shape)):
+        setattr(t, SPATIAL_DIMS_ATTR, tuple(dims))
+    elif SPATIAL_DIMS_ATTR in t.__dict__:
+        delattr(t, SPATIAL_DIMS_ATTR)
     return t
+
+
+def global_size(t: torch.Tensor, n: int) -> torch.Size:
+    """The size a single process sees for sharded ``t``."""
+    size = list(t.shape)
+    for d, g in zip(spatial_dims(t, n), global_shape(t)):
+        size[d] = g
+    return torch.Size(size)
 
 
 def is_replicated(t: object) -> bool:
@@ -81,15 +113,16 @@ def with_input(func: Callable, args: Sequence, kwargs: dict) -> Callable:
 
 
 class Executor(Protocol):
-    """Where shards live: on real workers, or all at once in the driver's dry run."""
+    """Where this shard lives and how it talks to the others (``executors.ShardExecutor``)."""
 
     grid: tuple[int, ...]
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
 
-    def windowed(
-        self, x: torch.Tensor, shape: tuple[int, ...], windows: Sequence[Window], op: Callable, where: str
-    ) -> torch.Tensor: ...
+    def local_part(self, t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None
+                   ) -> torch.Tensor: ...
+
+    def fits(self, shape: Sequence[int]) -> bool: ...
 
     def allsum(self, partial: torch.Tensor) -> torch.Tensor: ...
 
@@ -117,14 +150,26 @@ class ModulePath:
         return f"module {self.stack[-1]}" if self.stack else "the model's forward"
 
 
-def _name(func: Callable) -> str:
+def op_name(func: Callable) -> str:
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     if "<locals>" in qual:  # F.max_pool2d and friends are boolean_dispatch wrappers
         qual = getattr(func, "__name__", qual)
     if qual.startswith("_TensorBase.") or qual.startswith("TensorBase."):
         qual = "Tensor." + qual.split(".", 1)[1]
+    if qual == "__get__" and hasattr(func, "__self__"):
+        qual = f"Tensor.{func.__self__.__name__}"
     module = getattr(func, "__module__", None) or ""
     return f"{module}.{qual}" if module and not qual.startswith("Tensor.") else qual
+
+
+RULES: dict[Callable, Callable] = {}
+"""Rules for calls with a sharded argument: ``rule(mode, func, args, kwargs)``."""
+WHOLE_RULES: dict[Callable, Callable] = {}
+"""Rules for calls without one that may build a sharded result (factories, upsampling a whole map)."""
+LAYOUT_AWARE: set[Callable] = set()
+"""Rules that handle spatial dims wherever they are; the others need them trailing (channels-first)."""
+PROPERTY_RULES: dict[str, Callable] = {}
+"""Rules for tensor attributes (``x.shape``), by name."""
 
 
 class ShardMode(TorchFunctionMode):
@@ -132,6 +177,9 @@ class ShardMode(TorchFunctionMode):
         super().__init__()
         self.executor = executor
         self.path = path
+        self.known: set[tuple[int, ...]] = set()
+        """Global spatial shapes of the sharded tensors this forward has seen: a factory or an
+        upsampling asked for one of them builds a sharded tensor."""
 
     @property
     def dims(self) -> int:
@@ -142,30 +190,58 @@ class ShardMode(TorchFunctionMode):
 
     def unsupported(self, func: Callable, reason: str, fix: str) -> UnsupportedOperation:
         return UnsupportedOperation(
-            f"bigconv cannot decompose {_name(func)} in {self.where()}: {reason}. {fix}"
+            f"bigconv cannot decompose {op_name(func)} in {self.where()}: {reason}. {fix}"
         )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]
-        shapes = {global_shape(t) for t in leaves} - {None}
-        replicated = any(is_replicated(t) for t in leaves)
+        shapes, replicated = set(), False
+        for t in leaves:
+            shape = global_shape(t)
+            if shape is not None:
+                shapes.add(shape)
+            elif not replicated and is_replicated(t):
+                replicated = True
         if not shapes:
+            whole = WHOLE_RULES.get(func)
+            if whole is not None:
+                return whole(self, func, args, kwargs, replicated)
             out = func(*args, **kwargs)
             return self.after_replicated(out) if replicated else out
+        self.known |= shapes
         if replicated:  # a small whole map joins a sharded one of its size: use this shard's part
             args, kwargs = tree_map(lambda t: self.localize(t, shapes), (args, kwargs))
         rule = RULES.get(func)
-        if rule is not None:
-            return rule(self, func, args, kwargs)
-        if func in QUERIES or getattr(func, "__name__", "") == "__get__":
-            out = func(*args, **kwargs)
-            if isinstance(out, torch.Tensor):
-                raise self.unsupported(func, "it returns a tensor that mixes spatial positions", _FIX_GENERIC)
-            return out
-        name = getattr(func, "__name__", "")
-        raise self.unsupported(func, "it is not a pointwise, convolution or global-pooling operation on a spatially "
-                               "sharded tensor", _SPECIFIC_FIXES.get(name, _FIX_GENERIC))
+        if rule is None and getattr(func, "__name__", "") == "__get__":
+            prop = PROPERTY_RULES.get(getattr(func.__self__, "__name__", ""))
+            return prop(self, func, args, kwargs) if prop else func(*args, **kwargs)
+        if rule is None:
+            raise self.unsupported(func, "it is not a pointwise, layout, convolution or global-pooling operation on a "
+                                   "spatially sharded tensor", SPECIFIC_FIXES.get(getattr(func, "__name__", ""),
+                                                                                  FIX_GENERIC))
+        if func not in LAYOUT_AWARE:
+            self.require_channels_first(func, leaves)
+        return rule(self, func, args, kwargs)
+
+    # -- layouts ------------------------------------------------------------------------------------
+    def layout(self, t: torch.Tensor) -> tuple[int, ...]:
+        return spatial_dims(t, self.dims)
+
+    def one_layout(self, func: Callable, leaves: list) -> tuple[int, ...]:
+        layouts = {self.layout(t) for t in leaves if global_shape(t) is not None}
+        if len(layouts) != 1:
+            raise self.unsupported(func, "its sharded inputs have their spatial dims in different places",
+                                   "Permute them to one layout first")
+        return layouts.pop()
+
+    def require_channels_first(self, func: Callable, leaves: list) -> None:
+        for t in leaves:
+            if global_shape(t) is not None and SPATIAL_DIMS_ATTR in t.__dict__:
+                raise self.unsupported(
+                    func, f"it needs the spatial dims last, but they are at {self.layout(t)} (a permuted, "
+                    "channels-last view)", "Permute back to (N, C, *spatial) before this operation, e.g. "
+                    "x.permute(0, 3, 1, 2) in 2D")
 
     # -- maps too small for the grid ---------------------------------------------------------------
     def localize(self, t: Any, shapes: set) -> Any:
@@ -197,7 +273,7 @@ class ShardMode(TorchFunctionMode):
         Used when the output is smaller than the grid (deep layers of a U-Net or ResNet): the few
         positions left are gathered to every worker rather than split into empty shards. Each
         worker's copy reaches the loss only through its own shard of whatever comes next, so the
-        summed gradient is the single process's; the dry run takes this path for every op.
+        summed gradient is the single process's.
         """
         out = whole(self.executor.gather_all(x, shape))
         if self.executor.fits(out_shape):
@@ -215,206 +291,27 @@ class ShardMode(TorchFunctionMode):
             )
         return shapes.pop()
 
-    def tag_outputs(self, out: Any, shape: tuple[int, ...]) -> Any:
+    def tag_outputs(self, out: Any, shape: tuple[int, ...], dims: Sequence[int] | None = None) -> Any:
+        """Mark every output tensor whose dims at ``dims`` (default: the trailing ones) are this shard's."""
+        dims = tuple(dims) if dims is not None else trailing(self.dims)
         local = self.executor.local_shape(shape)
+        reach = -min(dims)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.dim() > self.dims and tuple(t.shape[-self.dims :]) == local:
-                mark(t, shape)
+            if isinstance(t, torch.Tensor) and t.dim() >= reach and all(t.shape[d] == n for d, n in zip(dims, local)):
+                mark(t, shape, dims)
         return out
 
 
-_FIX_GENERIC = (
+FIX_GENERIC = (
     "Express the model with convolutions, pointwise layers and a global pooling head, or file an issue "
     "naming this operation"
 )
-
-
-_FLATTEN_FIX = "Flatten or reshape only after global pooling (e.g. AdaptiveAvgPool2d(1))"
-_SPECIFIC_FIXES = {
+FLATTEN_FIX = "Flatten or reshape only after global pooling (e.g. AdaptiveAvgPool2d(1))"
+SPECIFIC_FIXES = {
     "linear": "Apply Linear after global pooling (AdaptiveAvgPoolNd(1) + Flatten), or use a 1x1 convolution to mix "
               "channels per position",
-    "reshape": _FLATTEN_FIX, "view": _FLATTEN_FIX,
+    "reshape": FLATTEN_FIX, "view": FLATTEN_FIX, "view_as": FLATTEN_FIX, "reshape_as": FLATTEN_FIX,
 }
 
 
-def _pointwise(mode: ShardMode, func, args, kwargs):
-    leaves = tree_flatten((args, kwargs))[0]
-    shape = mode.one_shape(func, leaves)
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and global_shape(t) is None and t.dim() > 0:
-            trailing = t.shape[-mode.dims :]
-            if any(s != 1 for s in trailing) and t.dim() >= 1:
-                raise mode.unsupported(
-                    func, f"an unsharded operand of shape {tuple(t.shape)} varies along spatial dims",
-                    "Give per-position operands a size of 1 in the spatial dims (broadcast), "
-                    "or compute them from the input",
-                )
-    return mode.tag_outputs(func(*args, **kwargs), shape)
-
-
-def _spatial_dims(mode: ShardMode, ndim: int) -> set[int]:
-    return set(range(ndim - mode.dims, ndim))
-
-
-def _normalize_dims(dim: Any, ndim: int) -> set[int]:
-    if dim is None:
-        return set(range(ndim))
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    return {d % ndim for d in dims}
-
-
-def _cat(mode: ShardMode, func, args, kwargs):
-    tensors = args[0] if args else kwargs["tensors"]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if any(global_shape(t) is None for t in tensors):
-        raise mode.unsupported(func, "it joins a sharded tensor with an unsharded one", "Join sharded tensors only.")
-    shape = mode.one_shape(func, list(tensors))
-    ndim = tensors[0].dim()
-    if dim % ndim in _spatial_dims(mode, ndim):
-        raise mode.unsupported(func, f"it joins along spatial dim {dim}", "Concatenate along channels (dim=1).")
-    return mode.tag_outputs(func(*args, **kwargs), shape)
-
-
-def _getitem(mode: ShardMode, func, args, kwargs):
-    x, index = args[0], args[1]
-    shape = global_shape(x)
-    if shape is None:
-        raise mode.unsupported(func, "it indexes with a sharded tensor", "Index with unsharded tensors.")
-    index = index if isinstance(index, tuple) else (index,)
-    if any(i is None for i in index) or any(isinstance(i, torch.Tensor) and i.dim() > 1 for i in index):
-        raise mode.unsupported(func, "it inserts or mixes dims", "Index channels or batch with ints and slices.")
-    if Ellipsis in index:
-        pos = index.index(Ellipsis)
-        index = index[:pos] + (slice(None),) * (x.dim() - len(index) + 1) + index[pos + 1 :]
-    spatial = index[x.dim() - mode.dims :] if len(index) > x.dim() - mode.dims else ()
-    if any(not (isinstance(i, slice) and i == slice(None)) for i in spatial):
-        raise mode.unsupported(func, "it slices a spatial dim", "Slice only batch and channel dims.")
-    return mode.tag_outputs(func(*args, **kwargs), shape)
-
-
-def _reduce(mode: ShardMode, func, args, kwargs, mean: bool):
-    x = args[0]
-    shape = global_shape(x)
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", None)
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    if len(args) > 3 or set(kwargs) - {"dim", "keepdim", "dtype"}:
-        raise mode.unsupported(func, "of unexpected arguments", "Call sum/mean(dim, keepdim).")
-    dims = _normalize_dims(dim, x.dim())
-    spatial = _spatial_dims(mode, x.dim())
-    if not dims & spatial:
-        return mode.tag_outputs(func(*args, **kwargs), shape)
-    if not spatial <= dims:
-        raise mode.unsupported(func, "it reduces some spatial dims but not all",
-                               "Reduce over all spatial dims at once.")
-    sum_kwargs = {"dtype": kwargs["dtype"]} if "dtype" in kwargs else {}
-    total = mode.executor.allsum(torch.sum(x, dim=sorted(dims), keepdim=bool(keepdim), **sum_kwargs))
-    if not mean:
-        return total
-    count = 1
-    for d in dims:
-        count *= shape[d - (x.dim() - mode.dims)] if d in spatial else x.shape[d]
-    return total / count
-
-
-def _flatten(mode: ShardMode, func, args, kwargs):
-    b = bind(("input", "start_dim", "end_dim"), args, kwargs)
-    x, shape = b["input"], global_shape(b["input"])
-    start, end = b.get("start_dim", 0) % x.dim(), b.get("end_dim", -1) % x.dim()
-    spatial = _spatial_dims(mode, x.dim())
-    if not spatial & set(range(start, end + 1)):
-        return mode.tag_outputs(func(*args, **kwargs), shape)
-    if end != x.dim() - 1:
-        raise mode.unsupported(func, "it merges spatial dims into others but keeps some after them",
-                               "Flatten through the last dim (end_dim=-1)")
-    # A flatten into a dense head (VGG-style): the map is gathered whole on every worker, exactly
-    # as a single process sees it; only worker 0's copy reaches the loss.
-    return func(mode.executor.gather_all(x, shape), *args[1:], **kwargs)
-
-
-def _dropout(mode: ShardMode, func, args, kwargs):
-    names = ("input", "p", "training", "inplace")
-    bound = dict(zip(names, args), **kwargs)
-    if bound.get("training", True) and bound.get("p", 0.5) > 0:
-        raise mode.unsupported(
-            func, "random masks drawn per shard cannot match a single process",
-            "Call net.eval() (or set p=0) to train exactly; dropout in training is not decomposable exactly",
-        )
-    return bound["input"]
-
-
-def _conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
-    n = len(kernel)
-    expand = lambda v: [v] * n if isinstance(v, int) else list(v)  # noqa: E731
-    stride, dilation = expand(stride), expand(dilation)
-    windows = []
-    for k, s, d, p in zip(kernel, stride, dilation, expand(0 if padding == "valid" else padding)
-                          if not padding == "same" else [None] * n):
-        if p is None:  # 'same': PyTorch puts the odd extra pad on the high side
-            total = d * (k - 1)
-            windows.append(Window(k, s, d, total // 2, total - total // 2))
-        else:
-            windows.append(Window(k, s, d, p, p))
-    return windows
-
-
-def _conv(mode: ShardMode, func, args, kwargs):
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-    b = dict(zip(names, args), **kwargs)
-    x, weight = b["input"], b["weight"]
-    shape = global_shape(x)
-    if shape is None or global_shape(weight) is not None:
-        raise mode.unsupported(func, "its weight is sharded", "Convolve a sharded input with an ordinary weight.")
-    stride, dilation, groups = b.get("stride", 1), b.get("dilation", 1), b.get("groups", 1)
-    windows = _conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
-    if len(windows) != mode.dims:
-        raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid",
-                               "Use a grid with one axis per spatial dim.")
-
-    def op(region: torch.Tensor, padding=0, bias: bool = True) -> torch.Tensor:
-        return func(region, weight, b.get("bias") if bias else None, stride, padding, dilation, groups)
-
-    out_shape = tuple(w.out_size(n) for w, n in zip(windows, shape))
-    if all(m > 0 for m in out_shape) and not mode.executor.fits(out_shape):
-        return mode.windowed_whole(x, shape, out_shape, with_input(func, args, kwargs))
-    return mode.executor.windowed(x, shape, windows, op, mode.where())
-
-
-POINTWISE_TORCH = """add sub subtract mul multiply div divide true_divide neg negative abs exp expm1 log log1p sqrt
-rsqrt pow square reciprocal sigmoid tanh relu relu_ clamp clamp_ clip maximum minimum where sin cos erf floor ceil
-round sign lerp addcmul addcdiv hardtanh rrelu selu celu threshold logit nan_to_num eq ne lt le gt ge
-logical_and logical_or logical_not isnan isfinite sigmoid_ tanh_ exp_ fmod remainder""".split()
-POINTWISE_TENSOR = POINTWISE_TORCH + """__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__
-__imul__ __truediv__ __rtruediv__ __itruediv__ __neg__ __pos__ __abs__ __pow__ __rpow__ __ipow__ __eq__ __ne__
-__lt__ __le__ __gt__ __ge__ __and__ __or__ __invert__ add_ sub_ mul_ div_ clamp_ pow_ relu_ abs_ neg_ contiguous
-clone to float double half bfloat16 type type_as detach detach_ requires_grad_ cpu cuda masked_fill
-masked_fill_ fill_ zero_ copy_""".split()
-POINTWISE_F = """relu relu_ relu6 leaky_relu leaky_relu_ elu elu_ selu selu_ celu celu_ gelu silu mish hardtanh
-hardtanh_ hardswish hardsigmoid sigmoid tanh softplus softsign tanhshrink threshold threshold_ logsigmoid prelu
-rrelu""".split()
-
-QUERIES = {
-    getattr(torch.Tensor, n)
-    for n in """size dim ndimension numel element_size is_contiguous is_floating_point is_complex stride
-    storage_offset data_ptr __len__ __format__ __repr__ __hash__ register_hook retain_grad get_device""".split()
-    if hasattr(torch.Tensor, n)
-}
-
-RULES: dict[Callable, Callable] = {}
-for _owner, _names in ((torch, POINTWISE_TORCH), (torch.Tensor, POINTWISE_TENSOR), (F, POINTWISE_F)):
-    for _n in _names:
-        if hasattr(_owner, _n):
-            RULES[getattr(_owner, _n)] = _pointwise
-RULES.update({torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat, torch.Tensor.__getitem__: _getitem})
-for _f in (torch.sum, torch.Tensor.sum):
-    RULES[_f] = lambda mode, func, args, kwargs: _reduce(mode, func, args, kwargs, mean=False)
-for _f in (torch.mean, torch.Tensor.mean):
-    RULES[_f] = lambda mode, func, args, kwargs: _reduce(mode, func, args, kwargs, mean=True)
-for _f in (torch.flatten, torch.Tensor.flatten):
-    RULES[_f] = _flatten
-for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout):
-    RULES[_f] = _dropout
-for _f in (F.conv1d, F.conv2d, F.conv3d):
-    RULES[_f] = _conv
-
-
-from . import rules_norm, rules_window  # noqa: E402,F401  (they add their rules to RULES)
+from . import rules_layout, rules_norm, rules_reduce, rules_window  # noqa: E402,F401  (they fill the tables)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -31,16 +31,25 @@ class Mailbox:
     def __init__(self) -> None:
         self._items: dict[Hashable, torch.Tensor] = {}
         self._cond = threading.Condition()
+        self._aborted: str | None = None
 
     def put(self, key: Hashable, tensor: torch.Tensor) -> None:
         with self._cond:
             self._items[key] = tensor
             self._cond.notify_all()
 
+    def abort(self, reason: str) -> None:
+        """Make every wait, now and later, raise ``reason`` (another simulated shard failed)."""
+        with self._cond:
+            self._aborted = reason
+            self._cond.notify_all()
+
     def take(self, key: Hashable, timeout: float, describe: str) -> torch.Tensor:
         deadline = time.monotonic() + timeout
         with self._cond:
             while key not in self._items:
+                if self._aborted:
+                    raise WorkerFailure(self._aborted)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise WorkerFailure(f"timed out after {timeout:g}s waiting for {describe}")
@@ -66,15 +75,24 @@ class WorkerRuntime:
     pending: list = field(default_factory=list)
     models: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0})
+    send: Callable[[int, Hashable, torch.Tensor], None] | None = None
+    """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
 
 
 _RUNTIME: WorkerRuntime | None = None
+_THREAD = threading.local()
 
 
 def runtime() -> WorkerRuntime:
-    if _RUNTIME is None:
+    """This thread's runtime (a shard of the driver's dry run), else this worker process's."""
+    rt = getattr(_THREAD, "runtime", None) or _RUNTIME
+    if rt is None:
         raise RuntimeError("this process is not a bigconv worker")
-    return _RUNTIME
+    return rt
+
+
+def set_thread_runtime(rt: WorkerRuntime | None) -> None:
+    _THREAD.runtime = rt
 
 
 def set_runtime(rt: WorkerRuntime | None) -> None:
@@ -89,6 +107,9 @@ def _deliver(key: Hashable, tensor: torch.Tensor) -> None:
 def push(dst: int, key: Hashable, tensor: torch.Tensor) -> None:
     """Send ``tensor`` to worker ``dst`` without waiting; errors surface in ``flush``."""
     rt = runtime()
+    if rt.send is not None:
+        rt.send(dst, key, tensor)
+        return
     # RPC pickles a view's whole storage, and halo transport stays on the host (CUDA tensors over
     # RPC with distributed autograd are beta upstream), so send a compact CPU copy.
     payload = tensor.to("cpu")

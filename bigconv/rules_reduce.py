@@ -1,0 +1,183 @@
+"""Rules for reductions and per-position dense layers.
+
+A reduction over batch or channel dims (``x.mean(1)`` of a spatial attention gate, ``softmax`` over
+classes, ``Linear``/``LayerNorm`` over the channels of a channels-last view) runs on the shard as it
+is. A reduction over all spatial dims becomes a global one: partial sums summed over every shard,
+in worker order so every replica agrees bit for bit; maxima with the single process's gradient
+(shared evenly among every position that attains the maximum, wherever it lives). A reduction over
+some spatial dims but not all, or ``Linear`` over a spatial dim, mixes positions across shards and is
+refused, as are indices into the whole image (``argmax`` over positions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .rules_layout import _int_dims, _neg, _nonneg
+from .sharding import LAYOUT_AWARE, RULES, ShardMode, bind, global_shape, mark, trailing
+
+_SOME_SPATIAL_FIX = "Reduce over all spatial dims at once, or over batch and channel dims only"
+
+
+def _after(mode: ShardMode, x: torch.Tensor, reduced: list[int], keepdim: bool) -> tuple[int, ...]:
+    """Where the spatial dims of ``x`` are after removing ``reduced`` dims (none of them spatial)."""
+    spatial = _nonneg(mode.layout(x), x.dim())
+    if keepdim:
+        return mode.layout(x)
+    return _neg([p - sum(r < p for r in reduced) for p in spatial], x.dim() - len(reduced))
+
+
+def _classify(mode: ShardMode, func, x: torch.Tensor, dim) -> tuple[list[int], str]:
+    dims = _int_dims(dim, x.dim())
+    spatial = set(_nonneg(mode.layout(x), x.dim()))
+    if not spatial & set(dims):
+        return dims, "local"
+    if not spatial <= set(dims):
+        raise mode.unsupported(func, "it reduces some spatial dims but not all", _SOME_SPATIAL_FIX)
+    return dims, "global"
+
+
+def _sum_mean(mode: ShardMode, func, args, kwargs, mean: bool):
+    b = bind(("input", "dim", "keepdim"), args, kwargs)
+    x, keepdim = b["input"], bool(b.get("keepdim", False))
+    if set(b) - {"input", "dim", "keepdim", "dtype"}:
+        raise mode.unsupported(func, "of unexpected arguments", "Call sum/mean(dim, keepdim).")
+    dims, kind = _classify(mode, func, x, b.get("dim"))
+    if kind == "local":
+        return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
+    extra = {"dtype": b["dtype"]} if "dtype" in b else {}
+    total = mode.executor.allsum(torch.sum(x, dim=dims, keepdim=keepdim, **extra))
+    if not mean:
+        return total
+    size = list(x.shape)
+    for d, g in zip(mode.layout(x), global_shape(x)):
+        size[d] = g
+    count = 1
+    for d in dims:
+        count *= size[d]
+    return total / count
+
+
+def global_extreme(mode: ShardMode, x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool):
+    """The maximum (or minimum) over every shard, with ``amax``'s gradient: shared evenly among all
+    positions that attain it, wherever they live.
+
+    The value is exact (the largest of the shards' extremes); the gradient rides on a sum that is
+    exactly zero in value, ``sum((x - x.detach()) * mask) / count``, summed over every shard
+    differentiably, so every replica's use of the value sends its gradient back to every owner.
+    """
+    pick = torch.amax if largest else torch.amin
+    with torch.no_grad():
+        parts = mode.executor.allgather(pick(x, dim=dims, keepdim=True), "global extreme")
+        value = pick(torch.stack(parts), dim=0)
+        mask = x == value
+        count = mode.executor.allsum(mask.sum(dim=dims, keepdim=keepdim).to(x.dtype))
+        if not keepdim:
+            value = value.reshape(count.shape)
+    zero = ((x - x.detach()) * mask).sum(dim=dims, keepdim=keepdim)
+    return value + mode.executor.allsum(zero) / count
+
+
+def _extreme(mode: ShardMode, func, args, kwargs):
+    """amax/amin (any dims), max/min (no dim: the global value; dim: values and indices, channels only)."""
+    name = func.__name__
+    largest = name in ("amax", "max")
+    x = args[0]
+    if name in ("max", "min"):
+        b = bind(("input", "dim", "keepdim"), args, kwargs)
+        if isinstance(b.get("dim"), torch.Tensor) or (len(args) > 1 and isinstance(args[1], torch.Tensor)):
+            return RULES[torch.maximum if largest else torch.minimum](mode, func, args, kwargs)
+        dim, keepdim = b.get("dim"), bool(b.get("keepdim", False))
+        if dim is None:
+            return global_extreme(mode, x, list(range(x.dim())), False, largest)
+        dims, kind = _classify(mode, func, x, dim)
+        if kind == "global":
+            raise mode.unsupported(func, "its indices are positions in the whole image, which no shard holds",
+                                   "Use amax/amin for the value, or reduce over channels only")
+        return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
+    b = bind(("input", "dim", "keepdim"), args, kwargs)
+    dims, kind = _classify(mode, func, x, b.get("dim", ()) or None)
+    keepdim = bool(b.get("keepdim", False))
+    if kind == "global":
+        return global_extreme(mode, x, dims, keepdim, largest)
+    return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
+
+
+def _over_dim(mode: ShardMode, func, args, kwargs):
+    """softmax, log_softmax, cumsum, argmax, std, var, logsumexp, prod, norm, any, all over batch or channels."""
+    x = args[0]
+    name = func.__name__
+    keeps = name in ("softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp")
+    names = {"norm": ("input", "p", "dim", "keepdim"), "vector_norm": ("input", "ord", "dim", "keepdim")}
+    b = bind(names.get(name, ("input", "dim")), args, kwargs)
+    dim = b.get("dim")
+    if dim is None and keeps:
+        raise mode.unsupported(func, "it runs over all dims of a sharded tensor", "Give dim= a channel dim")
+    dims, kind = _classify(mode, func, x, dim)
+    if kind == "global":
+        if name in ("norm", "vector_norm") and b.get("p", b.get("ord", 2)) in (2, 2.0, "fro", None):
+            keepdim = bool(b.get("keepdim", False))
+            return mode.executor.allsum(torch.sum(x * x, dim=dims, keepdim=keepdim)).sqrt()
+        raise mode.unsupported(func, "it reduces over spatial dims", "Reduce over batch or channel dims only, "
+                               "or use sum/mean/amax over all spatial dims")
+    keepdim = True if keeps else bool(b.get("keepdim", False))
+    return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
+
+
+def _linear(mode: ShardMode, func, args, kwargs):
+    """Linear over the last dim: per position when that dim is channels (a channels-last view)."""
+    x = args[0] if args else kwargs["input"]
+    if -1 in mode.layout(x):
+        raise mode.unsupported(func, "it mixes the positions along a spatial dim",
+                               "Apply Linear after global pooling (AdaptiveAvgPoolNd(1) + Flatten), or over the "
+                               "channels of a channels-last view, or use a 1x1 convolution")
+    return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
+
+
+def _flatten(mode: ShardMode, func, args, kwargs):
+    b = bind(("input", "start_dim", "end_dim"), args, kwargs)
+    x, shape = b["input"], global_shape(b["input"])
+    start, end = b.get("start_dim", 0) % x.dim(), b.get("end_dim", -1) % x.dim()
+    spatial = _nonneg(mode.layout(x), x.dim())
+    if not set(spatial) & set(range(start, end + 1)):
+        out_dims = [p - (end - start) if p > end else p for p in spatial]
+        return mode.tag_outputs(func(*args, **kwargs), shape, _neg(out_dims, x.dim() - (end - start)))
+    if end != x.dim() - 1 or mode.layout(x) != trailing(mode.dims):
+        raise mode.unsupported(func, "it merges spatial dims into others but keeps some after them",
+                               "Flatten through the last dim (end_dim=-1)")
+    # A flatten into a dense head (VGG-style): the map is gathered whole on every worker, exactly
+    # as a single process sees it; only worker 0's copy reaches the loss.
+    return func(mode.executor.gather_all(x, shape), *args[1:], **kwargs)
+
+
+def _dropout(mode: ShardMode, func, args, kwargs):
+    bound = bind(("input", "p", "training", "inplace"), args, kwargs)
+    if bound.get("training", True) and bound.get("p", 0.5) > 0:
+        raise mode.unsupported(
+            func, "random masks drawn per shard cannot match a single process",
+            "Call net.eval() (or set p=0) to train exactly; dropout in training is not decomposable exactly",
+        )
+    x = bound["input"]
+    return mark(x.view_as(x), global_shape(x), mode.layout(x))
+
+
+def _register() -> None:
+    table = {
+        (lambda m, f, a, k: _sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
+        (lambda m, f, a, k: _sum_mean(m, f, a, k, mean=True)): (torch.mean, torch.Tensor.mean),
+        _extreme: tuple(getattr(o, n) for o in (torch, torch.Tensor) for n in ("amax", "amin", "max", "min")),
+        _over_dim: tuple(getattr(o, n) for o in (torch, torch.Tensor)
+                         for n in ("softmax", "log_softmax", "cumsum", "argmax", "argmin", "std", "var", "logsumexp",
+                                   "prod", "norm", "any", "all")) + (F.softmax, F.log_softmax, torch.linalg.vector_norm),
+        _linear: (F.linear,),
+        _flatten: (torch.flatten, torch.Tensor.flatten),
+        _dropout: (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout),
+    }
+    for rule, funcs in table.items():
+        for f in funcs:
+            RULES[f] = rule
+            LAYOUT_AWARE.add(f)
+
+
+_register()
