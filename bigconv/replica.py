@@ -31,6 +31,23 @@ def to_payload(model: torch.nn.Module) -> bytes:
     return (cloudpickle or pickle).dumps(model)
 
 
+def _located(exc: Exception, where: str) -> Exception:
+    """``exc`` with where it happened in its message, keeping its type where the type allows it.
+
+    The driver sees a remote error as its text only; without the module a worker's error says
+    what failed but not where.
+    """
+    if isinstance(exc, transport.WorkerFailure) or "(in module" in str(exc):
+        return exc
+    message = f"{exc} (in {where})"
+    if isinstance(exc, KeyError):  # its text is a repr, which RPC would quote again
+        return RuntimeError(f"KeyError: {message}")
+    try:
+        return type(exc)(message)
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {message}")
+
+
 class Replica:
     def __init__(self, model: torch.nn.Module) -> None:
         self.rt = transport.runtime()
@@ -52,7 +69,10 @@ class Replica:
             self.last_input = x.requires_grad_(True)
         try:
             with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call), self.path):
-                out = self.model(x)
+                try:
+                    out = self.model(x)
+                except Exception as exc:
+                    raise _located(exc, f"{self.path.current} on {transport.worker_name(self.rt.index)}") from exc
             if loss_fn is not None:
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
                 return num.cpu(), den

@@ -26,6 +26,7 @@ tensors (``bigconv.dry_run``).
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -172,14 +173,34 @@ PROPERTY_RULES: dict[str, Callable] = {}
 """Rules for tensor attributes (``x.shape``), by name."""
 
 
+_ACTIVE = threading.local()
+
+
+def active_mode() -> "ShardMode | None":
+    """The ShardMode this thread runs under, if any (``bigconv.checkpointing`` asks)."""
+    stack = getattr(_ACTIVE, "stack", None)
+    return stack[-1] if stack else None
+
+
 class ShardMode(TorchFunctionMode):
-    def __init__(self, executor: Executor, path: ModulePath | None = None) -> None:
+    def __init__(self, executor: Executor, path: ModulePath | None = None,
+                 known: set[tuple[int, ...]] | None = None) -> None:
         super().__init__()
         self.executor = executor
         self.path = path
-        self.known: set[tuple[int, ...]] = set()
+        self.known: set[tuple[int, ...]] = set(known or ())
         """Global spatial shapes of the sharded tensors this forward has seen: a factory or an
         upsampling asked for one of them builds a sharded tensor."""
+
+    def __enter__(self):
+        if not hasattr(_ACTIVE, "stack"):
+            _ACTIVE.stack = []
+        _ACTIVE.stack.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        _ACTIVE.stack.pop()
+        return super().__exit__(*exc_info)
 
     @property
     def dims(self) -> int:

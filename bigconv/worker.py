@@ -139,9 +139,11 @@ def main() -> None:
     # `kill -USR1 <pid>` prints every thread's stack: the first thing to look at when a worker hangs.
     faulthandler.register(signal.SIGUSR1)
     # Before any model is unpickled here: a torchvision model must import on a CPU-only torch.
+    from . import checkpointing
     from .compat import allow_torchvision_without_ops
 
     allow_torchvision_without_ops()
+    checkpointing.install()
     spec = json.loads(os.environ["BIGCONV_WORKER"])
     serve(**spec)
 

@@ -228,3 +228,26 @@ def test_non_decomposable_refused_before_remote_work(world, model, words, monkey
         net(torch.randn(2, 1, 16, 16, dtype=torch.float64))
     for word in words:
         assert word in str(info.value), info.value
+
+
+class FailsOnWorkers(nn.Module):
+    """Runs in the dry run (meta tensors) but raises on the workers: the worker's error must reach the user whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        if not x.is_meta:
+            raise KeyError("boom on a real shard")
+        return self.conv(x)
+
+
+@pytest.mark.world(4)
+def test_worker_error_names_type_message_and_module(world):
+    net = bigconv.parallelize(nn.Sequential(FailsOnWorkers()).double(), world, grid=(2, 2))
+    with pytest.raises(bigconv.WorkerFailure) as info:
+        net(torch.randn(1, 1, 8, 8, dtype=torch.float64))
+    text = str(info.value)
+    for word in ("KeyError", "boom on a real shard", "'0' (FailsOnWorkers)", "worker"):
+        assert word in text, text
