@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .rules_layout import _int_dims, _neg, _nonneg
-from .sharding import LAYOUT_AWARE, RULES, ShardMode, bind, global_shape, mark, trailing
+from .sharding import LAYOUT_AWARE, RULES, WHOLE_RULES, ShardMode, bind, global_shape, mark, trailing
 
 _SOME_SPATIAL_FIX = "Reduce over all spatial dims at once, or over batch and channel dims only"
 
@@ -162,6 +162,16 @@ def _dropout(mode: ShardMode, func, args, kwargs):
     return mark(x.view_as(x), global_shape(x), mode.layout(x))
 
 
+def _dropout_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
+    """Dropout on an unsharded tensor (a replicated head): each worker would draw its own mask."""
+    bound = bind(("input", "p", "training", "inplace"), args, kwargs)
+    if bound.get("training", True) and bound.get("p", 0.5) > 0:
+        raise mode.unsupported(func, "every worker would draw its own random mask for the replicated head, "
+                               "unlike the single process's one draw", "Call net.eval() (or set p=0) to train exactly")
+    out = func(*args, **kwargs)
+    return mode.after_replicated(out) if replicated else out
+
+
 def _register() -> None:
     table = {
         (lambda m, f, a, k: _sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
@@ -178,6 +188,8 @@ def _register() -> None:
         for f in funcs:
             RULES[f] = rule
             LAYOUT_AWARE.add(f)
+    for f in table[_dropout]:
+        WHOLE_RULES[f] = _dropout_whole
 
 
 _register()

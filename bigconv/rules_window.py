@@ -253,8 +253,10 @@ def _pad(mode: ShardMode, func, args, kwargs):
                                                         reversed(range(len(pad) // 2))]
     lead, spatial = per_dim[: x.dim() - mode.dims], per_dim[x.dim() - mode.dims:]
     if any(p != (0, 0) for p in lead):
-        raise mode.unsupported(func, "it pads the batch or channel dims of a sharded tensor",
-                               "Pad only spatial dims.")
+        if kind == "constant" and all(p == (0, 0) for p in spatial):  # channel padding (HighResNet): per position
+            return mode.tag_outputs(whole(x), shape)
+        raise mode.unsupported(func, "it pads the batch or channel dims and the spatial dims of a sharded tensor at once",
+                               "Pad channels and spatial dims in two calls.")
     if kind == "constant":
         windows = [Window(1, 1, 1, lo, hi) for lo, hi in spatial]
         out_shape = _out_shape(windows, shape)

@@ -1,0 +1,65 @@
+"""Real networks from torchvision, timm, segmentation_models_pytorch and MONAI, unchanged, against one process.
+
+The contract, for every entry of ``tests/zoo.py``'s ``ZOO`` (the library's own model class with
+small widths, weights not loaded, training randomness such as dropout switched off through its
+constructor, float64, on its entry's worker count and grid):
+
+- ``expect="exact"`` (all but a few): ``bigconv.verify.compare_training`` finds the forward output,
+  input gradient, summed parameter gradients, the losses of two SGD-with-momentum steps and the
+  whole state dict afterwards (running statistics included) equal to a plain single process, each
+  relative error <= 1e-9; every replica holds bit-identical weights; and the state dict has the
+  plain model's keys. A model runs as a user would write it: no layer swapped, no forward edited.
+- ``expect="refused"`` (models with a genuinely non-decomposable operation: attention over all
+  positions): bigconv raises a ``ValueError`` naming the operation in its dry run on the driver
+  (``ParallelModel.plan``), before any forward or backward work on the workers, and the World stays
+  usable.
+
+Entries marked ``fast`` run in the default test command; the others carry the ``zoo`` marker
+(``pytest -m zoo`` runs them). ``python -m experiments.zoo_coverage`` runs the same zoo and records
+every outcome instead of asserting.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from zoo import ZOO
+
+import bigconv
+from bigconv.verify import compare_training
+
+TOL = 1e-9
+ERROR_KEYS = ("forward", "input_grad", "param_grads", "loss", "weights")
+
+
+def _param(entry):
+    marks = [pytest.mark.world(entry.workers), pytest.mark.timeout(300)]
+    if not entry.fast:
+        marks.append(pytest.mark.zoo)
+    return pytest.param(entry, id=entry.name, marks=marks)
+
+
+@pytest.mark.parametrize("entry", [_param(e) for e in ZOO])
+def test_zoo_model(world, entry):
+    torch.manual_seed(0)
+    model = entry.build().double()
+    x, y = entry.inputs(torch.Generator().manual_seed(1))
+    if entry.expect == "refused":
+        net = bigconv.parallelize(model, world, grid=entry.grid)
+        with pytest.raises(ValueError) as info:
+            net.plan(x)  # the dry run: the driver only, no remote forward
+        assert not isinstance(info.value, bigconv.WorkerFailure)
+        assert entry.match and re.search(entry.match, str(info.value)), (entry.match, str(info.value))
+        assert not world.broken
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=entry.grid)
+    r.pop("net", None)
+    assert r["keys_match"] and r["replicas_equal"], r
+    for key in ERROR_KEYS:
+        assert r[key] <= TOL, (key, r)

@@ -1,0 +1,528 @@
+"""A zoo of real convolutional networks from torchvision, timm, segmentation_models_pytorch and MONAI.
+
+Each entry builds the library's own model, unchanged (no subclass, no edited layer), with
+``weights=None`` / ``pretrained=False`` and the smallest widths and depths its constructor accepts,
+so that the whole zoo runs on a 2-core CPU in float64. The caller seeds torch, calls ``factory()``
+and then ``.double()``; every factory is deterministic given ``torch.manual_seed``.
+
+Training-time randomness (dropout, stochastic depth, drop-connect) is switched off through the
+constructors' own arguments (``dropout=0``, ``drop_rate=0``, ``stochastic_depth_prob=0`` ...): a
+single process and a sharded one cannot draw the same random masks, so with it on no comparison
+could be exact.
+
+torchvision's segmentation models return a dict; they are wrapped in :class:`OutOnly`, which
+returns ``model(x)["out"]``, as a user would.
+
+``expect="refused"`` marks models that contain a genuinely non-decomposable operation (attention
+over all positions); bigconv must refuse them with a ``ValueError`` before any remote work.
+
+Used by ``tests/test_zoo.py`` and ``experiments/zoo_coverage.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from bigconv.compat import allow_torchvision_without_ops
+
+allow_torchvision_without_ops()  # before torchvision (and timm/smp, which import it)
+
+NUM_CLASSES = 3
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str                   # "library/model"
+    family: str
+    library: str                # torchvision | timm | smp | monai
+    factory: Callable[[], nn.Module]
+    shape: tuple                # input shape (N, C, *spatial)
+    workers: int
+    grid: tuple
+    dense: bool                 # per-pixel CrossEntropy target (else a class label per sample)
+    num_classes: int = NUM_CLASSES
+    fast: bool = False          # in the default (fast) test subset
+    expect: str = "exact"       # "exact" | "refused"
+    reason: str = ""            # why refused
+    match: str = ""             # regex the refusal's message must match (it names the operation)
+    note: str = ""              # how the model was built / wrapped
+
+    @property
+    def spatial_dims(self) -> int:
+        return len(self.shape) - 2
+
+    def build(self) -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self.factory()
+
+    def inputs(self, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) in float64: y is a per-pixel class map when ``dense``, else a label per sample."""
+        x = torch.randn(self.shape, dtype=torch.float64, generator=generator)
+        if self.dense:
+            y = torch.randint(0, self.num_classes, (self.shape[0], *self.shape[2:]), generator=generator)
+        else:
+            y = torch.randint(0, self.num_classes, (self.shape[0],), generator=generator)
+        return x, y
+
+
+def zero_dropout(model: nn.Module) -> nn.Module:
+    """Set ``p = 0`` on dropout layers a constructor does not expose (torchvision's FCNHead and ASPP,
+    MONAI's VNet up-transitions): what a user does to train such a model deterministically."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return model
+
+
+class OutOnly(nn.Module):
+    """``model(x)["out"]``: torchvision's segmentation models return a dict of outputs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)["out"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# torchvision
+# ----------------------------------------------------------------------------------------------------
+def _tv():
+    import torchvision.models as tvm
+    return tvm
+
+
+def tv_resnet18():
+    from torchvision.models.resnet import BasicBlock, ResNet
+    return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=NUM_CLASSES)
+
+
+def tv_resnext():
+    from torchvision.models.resnet import Bottleneck, ResNet
+    return ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4, num_classes=NUM_CLASSES)
+
+
+def tv_wide_resnet():
+    # wide_resnet50_2's width_per_group=128 on one block per stage, 1/4 of the base widths otherwise not
+    # reachable through ResNet's constructor.
+    from torchvision.models.resnet import Bottleneck, ResNet
+    return ResNet(Bottleneck, [1, 1, 1, 1], width_per_group=128, num_classes=NUM_CLASSES)
+
+
+def tv_vgg11():
+    from torchvision.models.vgg import VGG, cfgs, make_layers
+    return VGG(make_layers(cfgs["A"], batch_norm=False), num_classes=NUM_CLASSES, dropout=0.0)
+
+
+def tv_vgg11_bn():
+    from torchvision.models.vgg import VGG, cfgs, make_layers
+    return VGG(make_layers(cfgs["A"], batch_norm=True), num_classes=NUM_CLASSES, dropout=0.0)
+
+
+def tv_alexnet():
+    return _tv().alexnet(weights=None, num_classes=NUM_CLASSES, dropout=0.0)
+
+
+def tv_squeezenet():
+    return _tv().squeezenet1_1(weights=None, num_classes=NUM_CLASSES, dropout=0.0)
+
+
+def tv_densenet():
+    from torchvision.models.densenet import DenseNet
+    return DenseNet(growth_rate=8, block_config=(2, 2, 2, 2), num_init_features=16, bn_size=2,
+                    num_classes=NUM_CLASSES)
+
+
+def tv_mobilenet_v2():
+    return _tv().mobilenet_v2(weights=None, num_classes=NUM_CLASSES, width_mult=0.25, dropout=0.0)
+
+
+def tv_mobilenet_v3_small():
+    return _tv().mobilenet_v3_small(weights=None, num_classes=NUM_CLASSES, width_mult=0.25, dropout=0.0)
+
+
+def tv_mobilenet_v3_large():
+    return _tv().mobilenet_v3_large(weights=None, num_classes=NUM_CLASSES, width_mult=0.25, dropout=0.0)
+
+
+def tv_mnasnet():
+    from torchvision.models.mnasnet import MNASNet
+    return MNASNet(alpha=0.5, num_classes=NUM_CLASSES, dropout=0.0)
+
+
+def tv_shufflenet_v2():
+    from torchvision.models.shufflenetv2 import ShuffleNetV2
+    return ShuffleNetV2([1, 1, 1], [8, 16, 32, 64, 128], num_classes=NUM_CLASSES)
+
+
+def tv_efficientnet_b0():
+    from torchvision.models.efficientnet import EfficientNet, _efficientnet_conf
+    setting, last = _efficientnet_conf("efficientnet_b0", width_mult=0.25, depth_mult=0.34)
+    return EfficientNet(setting, dropout=0.0, stochastic_depth_prob=0.0, num_classes=NUM_CLASSES, last_channel=last)
+
+
+def tv_efficientnet_v2_s():
+    # efficientnet_v2_s's structure (FusedMBConv stages, then MBConv with SE), one block per stage,
+    # narrow channels: its builder takes no width argument.
+    from functools import partial
+
+    from torchvision.models.efficientnet import EfficientNet, FusedMBConvConfig, MBConvConfig
+    setting = [
+        FusedMBConvConfig(1, 3, 1, 8, 8, 1),
+        FusedMBConvConfig(4, 3, 2, 8, 16, 1),
+        FusedMBConvConfig(4, 3, 2, 16, 24, 1),
+        MBConvConfig(4, 3, 2, 24, 32, 1),
+        MBConvConfig(6, 3, 1, 32, 40, 1),
+        MBConvConfig(6, 3, 2, 40, 64, 1),
+    ]
+    return EfficientNet(setting, dropout=0.0, stochastic_depth_prob=0.0, num_classes=NUM_CLASSES,
+                        norm_layer=partial(nn.BatchNorm2d, eps=1e-03), last_channel=128)
+
+
+def tv_regnet_x():
+    from torchvision.models.regnet import BlockParams, RegNet
+    params = BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8)
+    return RegNet(params, num_classes=NUM_CLASSES, stem_width=8)
+
+
+def tv_regnet_y():
+    from torchvision.models.regnet import BlockParams, RegNet
+    params = BlockParams.from_init_params(depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25)
+    return RegNet(params, num_classes=NUM_CLASSES, stem_width=8)
+
+
+def tv_convnext():
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    setting = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, 128, 1),
+               CNBlockConfig(128, None, 1)]
+    return ConvNeXt(setting, stochastic_depth_prob=0.0, num_classes=NUM_CLASSES)
+
+
+def tv_googlenet():
+    return _tv().googlenet(weights=None, num_classes=NUM_CLASSES, aux_logits=False, transform_input=False,
+                           init_weights=True, dropout=0.0)
+
+
+def tv_inception_v3():
+    return _tv().inception_v3(weights=None, num_classes=NUM_CLASSES, aux_logits=False, transform_input=False,
+                              init_weights=True, dropout=0.0)
+
+
+def _tv_bottleneck_backbone():
+    # resnet50's Bottleneck with one block per stage, thinner mid widths, dilated as in fcn_resnet50.
+    from torchvision.models.resnet import Bottleneck, ResNet
+    return ResNet(Bottleneck, [1, 1, 1, 1], width_per_group=16, replace_stride_with_dilation=[False, True, True])
+
+
+def tv_fcn_resnet50():
+    from torchvision.models.segmentation.fcn import _fcn_resnet
+    return OutOnly(zero_dropout(_fcn_resnet(_tv_bottleneck_backbone(), NUM_CLASSES, False)))
+
+
+def tv_deeplabv3_resnet50():
+    from torchvision.models.segmentation.deeplabv3 import _deeplabv3_resnet
+    return OutOnly(zero_dropout(_deeplabv3_resnet(_tv_bottleneck_backbone(), NUM_CLASSES, False)))
+
+
+def tv_deeplabv3_mobilenet_v3_large():
+    from torchvision.models.segmentation.deeplabv3 import _deeplabv3_mobilenetv3
+    backbone = _tv().mobilenet_v3_large(weights=None, dilated=True, width_mult=0.25)
+    return OutOnly(zero_dropout(_deeplabv3_mobilenetv3(backbone, NUM_CLASSES, False)))
+
+
+def tv_lraspp_mobilenet_v3_large():
+    from torchvision.models.segmentation.lraspp import _lraspp_mobilenetv3
+    backbone = _tv().mobilenet_v3_large(weights=None, dilated=True, width_mult=0.25)
+    return OutOnly(_lraspp_mobilenetv3(backbone, NUM_CLASSES))
+
+
+# ----------------------------------------------------------------------------------------------------
+# timm
+# ----------------------------------------------------------------------------------------------------
+def timm_model(name: str, **kwargs) -> Callable[[], nn.Module]:
+    kwargs.setdefault("drop_rate", 0.0)  # rexnet and ghostnet default to 0.2 (dropout in the head)
+
+    def factory():
+        import timm
+        return timm.create_model(name, pretrained=False, num_classes=NUM_CLASSES, **kwargs)
+    factory.__name__ = f"timm_{name}"
+    return factory
+
+
+# ----------------------------------------------------------------------------------------------------
+# segmentation_models_pytorch
+# ----------------------------------------------------------------------------------------------------
+def smp_model(arch: str, **kwargs) -> Callable[[], nn.Module]:
+    def factory():
+        import segmentation_models_pytorch as smp
+        args = dict(encoder_name="resnet18", encoder_weights=None, in_channels=3, classes=NUM_CLASSES)
+        args.update(kwargs)
+        return getattr(smp, arch)(**args)
+    factory.__name__ = f"smp_{arch}"
+    return factory
+
+
+# ----------------------------------------------------------------------------------------------------
+# MONAI
+# ----------------------------------------------------------------------------------------------------
+def monai_unet(dims):
+    from monai.networks.nets import UNet
+    return UNet(dims, 1, NUM_CLASSES, channels=(4, 8, 16), strides=(2, 2), num_res_units=2, norm="batch")
+
+
+def monai_basic_unet():
+    from monai.networks.nets import BasicUNet
+    return BasicUNet(2, 1, NUM_CLASSES, features=(4, 4, 8, 8, 16, 4))
+
+
+def monai_dynunet(dims):
+    from monai.networks.nets import DynUNet
+    return DynUNet(dims, 1, NUM_CLASSES, kernel_size=[3, 3, 3], strides=[1, 2, 2], upsample_kernel_size=[2, 2],
+                   filters=[4, 8, 16], norm_name="instance", res_block=True)
+
+
+def monai_segresnet(dims):
+    from monai.networks.nets import SegResNet
+    return SegResNet(dims, init_filters=4, in_channels=1, out_channels=NUM_CLASSES, blocks_down=(1, 1, 2),
+                     blocks_up=(1, 1), norm=("group", {"num_groups": 2}))
+
+
+def monai_vnet():
+    from monai.networks.nets import VNet
+    return zero_dropout(VNet(2, 1, NUM_CLASSES, dropout_prob_down=0.0, dropout_prob_up=(0.0, 0.0), dropout_dim=2))
+
+
+def monai_highresnet():
+    from monai.networks.nets import HighResNet
+    layers = ({"name": "conv_0", "n_features": 4, "kernel_size": 3},
+              {"name": "res_1", "n_features": 4, "kernels": (3, 3), "repeat": 1},
+              {"name": "res_2", "n_features": 8, "kernels": (3, 3), "repeat": 1},
+              {"name": "res_3", "n_features": 16, "kernels": (3, 3), "repeat": 1},
+              {"name": "conv_1", "n_features": 16, "kernel_size": 1},
+              {"name": "conv_2", "kernel_size": 1})
+    return HighResNet(2, 1, NUM_CLASSES, layer_params=layers)
+
+
+def monai_attention_unet():
+    from monai.networks.nets import AttentionUnet
+    return AttentionUnet(2, 1, NUM_CLASSES, channels=(4, 8, 16), strides=(2, 2))
+
+
+def monai_densenet121():
+    from monai.networks.nets import DenseNet121
+    return DenseNet121(2, 1, NUM_CLASSES, init_features=4, growth_rate=2, block_config=(1, 1, 1, 1))
+
+
+def monai_resnet():
+    from monai.networks.nets import ResNet
+    return ResNet("basic", [1, 1, 1, 1], [4, 8, 8, 16], spatial_dims=2, n_input_channels=1, num_classes=NUM_CLASSES)
+
+
+def monai_seresnet50():
+    from monai.networks.nets import SEResNet50
+    return SEResNet50(layers=(1, 1, 1, 1), spatial_dims=2, in_channels=1, num_classes=NUM_CLASSES, inplanes=16)
+
+
+def monai_efficientnet():
+    # EfficientNetBN("efficientnet-b0")'s blocks through the EfficientNet class, which (unlike
+    # EfficientNetBN) lets width, dropout and drop-connect be set.
+    from monai.networks.nets.efficientnet import EfficientNet
+    blocks = ["r1_k3_s11_e1_i32_o16_se0.25", "r2_k3_s22_e6_i16_o24_se0.25", "r2_k5_s22_e6_i24_o40_se0.25",
+              "r3_k3_s22_e6_i40_o80_se0.25", "r3_k5_s11_e6_i80_o112_se0.25", "r4_k5_s22_e6_i112_o192_se0.25",
+              "r1_k3_s11_e6_i192_o320_se0.25"]
+    return EfficientNet(blocks, spatial_dims=2, in_channels=1, num_classes=NUM_CLASSES, width_coefficient=0.25,
+                        depth_coefficient=0.34, dropout_rate=0.0, image_size=64, drop_connect_rate=0.0)
+
+
+def monai_flexible_unet():
+    from monai.networks.nets import FlexibleUNet
+    return FlexibleUNet(1, NUM_CLASSES, backbone="resnet10", pretrained=False, spatial_dims=2,
+                        decoder_channels=(32, 16, 8, 8, 4))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The registry
+# ----------------------------------------------------------------------------------------------------
+def _e(name, family, factory, shape, workers, grid, dense=False, **kw) -> ZooEntry:
+    return ZooEntry(name=name, family=family, library=name.split("/")[0], factory=factory, shape=tuple(shape),
+                    workers=workers, grid=tuple(grid), dense=dense, **kw)
+
+
+ATTENTION = "self-attention over all positions (a matmul across the flattened spatial map)"
+
+ZOO: list[ZooEntry] = [
+    # -- torchvision classification ---------------------------------------------------------------
+    _e("torchvision/resnet18", "resnet", tv_resnet18, (2, 3, 64, 64), 4, (2, 2), fast=True,
+       note="ResNet(BasicBlock, [1,1,1,1])"),
+    _e("torchvision/resnext", "resnet", tv_resnext, (2, 3, 72, 88), 2, (2, 1),
+       note="ResNet(Bottleneck, [1,1,1,1], groups=4, width_per_group=4)"),
+    _e("torchvision/wide_resnet", "resnet", tv_wide_resnet, (2, 3, 64, 64), 2, (1, 2),
+       note="ResNet(Bottleneck, [1,1,1,1], width_per_group=128)"),
+    _e("torchvision/vgg11", "vgg", tv_vgg11, (2, 3, 64, 64), 2, (2, 1), note="VGG(cfg A), dropout=0"),
+    _e("torchvision/vgg11_bn", "vgg", tv_vgg11_bn, (2, 3, 64, 64), 2, (1, 2), note="VGG(cfg A, batch_norm), dropout=0"),
+    _e("torchvision/alexnet", "alexnet", tv_alexnet, (2, 3, 80, 80), 2, (2, 1), note="dropout=0"),
+    _e("torchvision/squeezenet1_1", "squeezenet", tv_squeezenet, (2, 3, 64, 64), 2, (1, 2), fast=True,
+       note="dropout=0"),
+    _e("torchvision/densenet", "densenet", tv_densenet, (2, 3, 64, 64), 4, (2, 2),
+       note="DenseNet(growth 8, blocks (2,2,2,2), 16 init features)"),
+    _e("torchvision/mobilenet_v2", "mobilenet", tv_mobilenet_v2, (2, 3, 64, 64), 3, (3, 1),
+       note="width_mult=0.25, dropout=0"),
+    _e("torchvision/mobilenet_v3_small", "mobilenet", tv_mobilenet_v3_small, (2, 3, 64, 64), 2, (2, 1), fast=True,
+       note="width_mult=0.25, dropout=0"),
+    _e("torchvision/mobilenet_v3_large", "mobilenet", tv_mobilenet_v3_large, (2, 3, 72, 88), 4, (2, 2),
+       note="width_mult=0.25, dropout=0"),
+    _e("torchvision/mnasnet0_5", "mnasnet", tv_mnasnet, (2, 3, 64, 64), 2, (1, 2),
+       note="MNASNet(alpha=0.5), dropout=0"),
+    _e("torchvision/shufflenet_v2", "shufflenet", tv_shufflenet_v2, (2, 3, 64, 64), 2, (2, 1),
+       note="ShuffleNetV2([1,1,1], [8,16,32,64,128])"),
+    _e("torchvision/efficientnet_b0", "efficientnet", tv_efficientnet_b0, (2, 3, 64, 64), 4, (2, 2),
+       note="_efficientnet_conf(b0, width 0.25, depth 0.34), no dropout/stochastic depth"),
+    _e("torchvision/efficientnet_v2_s", "efficientnet", tv_efficientnet_v2_s, (2, 3, 64, 64), 2, (1, 2),
+       note="v2_s structure (Fused-MBConv then MBConv), 1 block/stage, narrow"),
+    _e("torchvision/regnet_x", "regnet", tv_regnet_x, (2, 3, 64, 64), 2, (2, 1), note="RegNet(depth 4, w_0 8)"),
+    _e("torchvision/regnet_y", "regnet", tv_regnet_y, (2, 3, 72, 88), 3, (1, 3), note="RegNet(depth 4, w_0 8, SE)"),
+    _e("torchvision/convnext", "convnext", tv_convnext, (2, 3, 64, 64), 2, (2, 1),
+       note="ConvNeXt(1 block/stage, dims 16..128), stochastic_depth_prob=0"),
+    _e("torchvision/googlenet", "inception", tv_googlenet, (2, 3, 64, 64), 2, (2, 1),
+       note="aux_logits=False, transform_input=False, dropout=0"),
+    _e("torchvision/inception_v3", "inception", tv_inception_v3, (4, 3, 128, 128), 2, (1, 2),
+       note="aux_logits=False, transform_input=False, dropout=0; batch 4 at 128 px (well conditioned)"),
+    # -- torchvision segmentation (dict outputs: OutOnly returns ["out"]) ---------------------------
+    _e("torchvision/fcn_resnet50", "fcn", tv_fcn_resnet50, (1, 3, 64, 64), 2, (2, 1), dense=True,
+       note="OutOnly(_fcn_resnet(ResNet(Bottleneck,[1,1,1,1],width_per_group=16,dilated))), FCNHead dropout p=0"),
+    _e("torchvision/deeplabv3_resnet50", "deeplab", tv_deeplabv3_resnet50, (2, 3, 64, 64), 2, (1, 2), dense=True,
+       note="OutOnly(_deeplabv3_resnet(ResNet(Bottleneck,[1,1,1,1],width_per_group=16,dilated))), ASPP dropout p=0"),
+    _e("torchvision/deeplabv3_mobilenet_v3_large", "deeplab", tv_deeplabv3_mobilenet_v3_large, (2, 3, 64, 64), 4,
+       (2, 2), dense=True,
+       note="OutOnly(_deeplabv3_mobilenetv3(mobilenet_v3_large(width_mult=0.25, dilated))), ASPP dropout p=0"),
+    _e("torchvision/lraspp_mobilenet_v3_large", "lraspp", tv_lraspp_mobilenet_v3_large, (2, 3, 64, 64), 2, (2, 1),
+       dense=True, fast=True, note="OutOnly(_lraspp_mobilenetv3(mobilenet_v3_large(width_mult=0.25, dilated)))"),
+    # -- timm ----------------------------------------------------------------------------------------
+    _e("timm/resnet18", "resnet", timm_model("resnet18", layers=(1, 1, 1, 1), channels=(16, 32, 64, 128)),
+       (2, 3, 64, 64), 4, (2, 2), fast=True, note="layers (1,1,1,1), channels 16..128"),
+    _e("timm/resnext26ts", "resnet", timm_model("resnext26ts"), (2, 3, 64, 64), 2, (1, 2)),
+    _e("timm/seresnet18", "resnet", timm_model("seresnet18", layers=(1, 1, 1, 1), channels=(16, 32, 64, 128)),
+       (2, 3, 72, 88), 2, (2, 1), note="layers (1,1,1,1), channels 16..128"),
+    _e("timm/resnest14d", "resnest", timm_model("resnest14d"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/skresnet18", "sknet", timm_model("skresnet18", layers=(1, 1, 1, 1)), (2, 3, 64, 64), 2, (1, 2),
+       note="layers (1,1,1,1)"),
+    _e("timm/regnetx_002", "regnet", timm_model("regnetx_002"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/regnety_002", "regnet", timm_model("regnety_002"), (2, 3, 64, 64), 4, (2, 2)),
+    _e("timm/tinynet_e", "efficientnet", timm_model("tinynet_e"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/tf_efficientnet_lite0", "efficientnet", timm_model("tf_efficientnet_lite0"), (2, 3, 72, 88), 2, (2, 1),
+       fast=True, note="TF 'same' padding"),
+    _e("timm/tf_efficientnetv2_b0", "efficientnet", timm_model("tf_efficientnetv2_b0"), (2, 3, 64, 64), 4, (2, 2),
+       note="TF 'same' padding"),
+    _e("timm/mobilenetv3_small_050", "mobilenet", timm_model("mobilenetv3_small_050"), (2, 3, 64, 64), 2, (1, 2)),
+    _e("timm/mobilenetv4_conv_small_050", "mobilenet", timm_model("mobilenetv4_conv_small_050"), (4, 3, 96, 96), 2,
+       (2, 1), note="batch 4 at 96²: at 2×64² its last BatchNorms see 8 values and one process's own rounding "
+       "moves the loss by 1e-8"),
+    _e("timm/mixnet_s", "efficientnet", timm_model("mixnet_s"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/lcnet_050", "mobilenet", timm_model("lcnet_050"), (2, 3, 64, 64), 3, (3, 1)),
+    _e("timm/convnext_atto", "convnext",
+       timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)), (2, 3, 64, 64), 2, (2, 1), fast=True,
+       note="conv_mlp=True (LayerNorm2d), depths 1, dims 16..128"),
+    _e("timm/convnext_atto_linear", "convnext",
+       timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128), conv_mlp=False), (2, 3, 64, 64), 2,
+       (1, 2), note="conv_mlp=False: channels-last LayerNorm + Linear MLP"),
+    _e("timm/densenet121", "densenet", timm_model("densenet121", growth_rate=8, block_config=(2, 2, 2, 2)),
+       (2, 3, 64, 64), 2, (2, 1), note="growth 8, blocks (2,2,2,2)"),
+    _e("timm/cspresnet50", "cspnet", timm_model("cspresnet50"), (2, 3, 64, 64), 2, (1, 2)),
+    _e("timm/cs3darknet_focus_s", "cspnet", timm_model("cs3darknet_focus_s"), (2, 3, 64, 64), 2, (2, 1),
+       note="Focus stem (space-to-depth)"),
+    _e("timm/hrnet_w18_small", "hrnet", timm_model("hrnet_w18_small"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/dla46_c", "dla", timm_model("dla46_c"), (2, 3, 64, 64), 4, (2, 2)),
+    _e("timm/dpn48b", "dpn", timm_model("dpn48b", k_sec=(1, 1, 1, 1)), (2, 3, 64, 64), 2, (2, 1),
+       note="k_sec (1,1,1,1)"),
+    _e("timm/rexnet_100", "rexnet", timm_model("rexnet_100", width_mult=0.5), (4, 3, 96, 96), 2, (1, 2),
+       note="width_mult=0.5; batch 4 at 96² (at 2×64² one process's own rounding moves the weights by 5e-8)"),
+    _e("timm/ghostnet_050", "ghostnet", timm_model("ghostnet_050"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/ghostnetv2_100", "ghostnet", timm_model("ghostnetv2_100"), (2, 3, 64, 64), 2, (1, 2),
+       note="DFC attention: pooled gate interpolated back (local, decomposable)"),
+    _e("timm/res2net50_14w_8s", "res2net", timm_model("res2net50_14w_8s", layers=(1, 1, 1, 1)), (2, 3, 64, 64), 2,
+       (2, 1), note="layers (1,1,1,1)"),
+    _e("timm/selecsls42b", "selecsls", timm_model("selecsls42b"), (8, 3, 64, 64), 2, (2, 1),
+       note="batch 8: at batch 2 rounding noise alone moves the weights by 1e-7"),
+    _e("timm/ese_vovnet19b_slim_dw", "vovnet", timm_model("ese_vovnet19b_slim_dw"), (2, 3, 64, 64), 2, (1, 2)),
+    _e("timm/xception41", "xception", timm_model("xception41"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/repvgg_a0", "byobnet", timm_model("repvgg_a0"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/gernet_s", "byobnet", timm_model("gernet_s"), (2, 3, 64, 64), 2, (1, 2)),
+    _e("timm/nf_regnet_b0", "nfnet", timm_model("nf_regnet_b0"), (2, 3, 64, 64), 2, (2, 1),
+       note="scaled weight-standardized convs, no norm layers"),
+    _e("timm/inception_v3", "inception", timm_model("inception_v3"), (4, 3, 128, 128), 2, (2, 1),
+       note="batch 4 at 128 px: at 2x80x80 its 1x1 maps make batch norm ill-conditioned (rounding noise 2e-2)"),
+    _e("timm/tresnet_m", "tresnet", timm_model("tresnet_m"), (2, 3, 64, 64), 2, (2, 1),
+       expect="refused", reason="its space-to-depth stem views each spatial dim as (blocks, 4): exact only where "
+       "shards divide by the block, which bigconv does not track yet", match=r"SpaceToDepth",
+       note="space-to-depth stem, anti-aliased downsampling"),
+    _e("timm/hgnetv2_b0", "hgnet", timm_model("hgnetv2_b0"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 2, (2, 1),
+       expect="refused", reason=ATTENTION, match=r"self_attn|BottleneckAttn", note="img_size=64"),
+    # -- segmentation_models_pytorch -----------------------------------------------------------------
+    _e("smp/Unet", "unet", smp_model("Unet", encoder_depth=3, decoder_channels=(16, 8, 8)), (2, 3, 64, 64), 2,
+       (2, 1), dense=True, fast=True, note="resnet18 encoder, depth 3"),
+    _e("smp/UnetPlusPlus", "unet", smp_model("UnetPlusPlus", encoder_depth=3, decoder_channels=(16, 8, 8)),
+       (1, 3, 64, 64), 4, (2, 2), dense=True, note="resnet18 encoder, depth 3"),
+    _e("smp/FPN", "fpn", smp_model("FPN", encoder_depth=5, decoder_pyramid_channels=32,
+                                   decoder_segmentation_channels=32, decoder_dropout=0.0),
+       (2, 3, 64, 64), 2, (1, 2), dense=True, fast=True, note="resnet18 encoder, depth 5, dropout 0"),
+    _e("smp/PSPNet", "pspnet", smp_model("PSPNet", encoder_depth=3, psp_out_channels=16, psp_dropout=0.0),
+       (2, 3, 96, 96), 2, (2, 1), dense=True, note="resnet18 encoder, depth 3, dropout 0"),
+    _e("smp/DeepLabV3", "deeplab", smp_model("DeepLabV3", encoder_depth=5, decoder_channels=16,
+                                             decoder_aspp_dropout=0.0),
+       (2, 3, 64, 64), 2, (2, 1), dense=True, note="resnet18 encoder, output stride 8, dropout 0"),
+    _e("smp/DeepLabV3Plus", "deeplab", smp_model("DeepLabV3Plus", encoder_depth=5, decoder_channels=16,
+                                                 decoder_aspp_dropout=0.0),
+       (2, 3, 64, 64), 2, (1, 2), dense=True, note="resnet18 encoder, output stride 16, dropout 0"),
+    _e("smp/Linknet", "linknet", smp_model("Linknet", encoder_depth=3), (2, 3, 64, 64), 3, (3, 1), dense=True,
+       note="resnet18 encoder, depth 3"),
+    _e("smp/MAnet", "manet", smp_model("MAnet", encoder_depth=3, decoder_channels=(16, 8, 8), decoder_pab_channels=8),
+       (2, 3, 64, 64), 2, (2, 1), dense=True,
+       note="resnet18 encoder, depth 3; its position attention runs on the whole (gathered) 8×8 centre map"),
+    _e("smp/PAN", "pan", smp_model("PAN", encoder_depth=5, decoder_channels=16), (2, 3, 128, 128), 2, (2, 1),
+       dense=True, note="resnet18 encoder, output stride 16 (its pyramid needs >= 128 px)"),
+    _e("smp/UPerNet", "upernet", smp_model("UPerNet", encoder_depth=3, decoder_channels=16), (2, 3, 64, 64), 2,
+       (1, 2), dense=True, note="resnet18 encoder, depth 3"),
+    _e("smp/Segformer", "segformer", smp_model("Segformer", encoder_depth=3, decoder_segmentation_channels=16),
+       (2, 3, 64, 64), 2, (2, 1), dense=True, note="resnet18 encoder (not MiT), depth 3"),
+    _e("smp/Unet_tu-mobilenetv3_small_050", "unet",
+       smp_model("Unet", encoder_name="tu-mobilenetv3_small_050", encoder_depth=5, decoder_channels=(16, 16, 8, 8, 8)),
+       (2, 3, 64, 64), 4, (2, 2), dense=True, note="timm-universal encoder"),
+    # -- MONAI ---------------------------------------------------------------------------------------
+    _e("monai/UNet", "unet", lambda: monai_unet(2), (2, 1, 40, 36), 2, (2, 1), dense=True,
+       note="channels (4,8,16), 2 residual units, batch norm"),
+    _e("monai/UNet3d", "unet", lambda: monai_unet(3), (2, 1, 16, 16, 16), 4, (2, 1, 2), dense=True,
+       note="3D, channels (4,8,16)"),
+    _e("monai/BasicUNet", "unet", monai_basic_unet, (1, 1, 48, 32), 3, (3, 1), dense=True),
+    _e("monai/DynUNet", "unet", lambda: monai_dynunet(2), (2, 1, 32, 32), 2, (1, 2), dense=True, fast=True,
+       note="filters (4,8,16), residual blocks, instance norm"),
+    _e("monai/DynUNet3d", "unet", lambda: monai_dynunet(3), (1, 1, 16, 16, 16), 2, (2, 1, 1), dense=True,
+       note="3D"),
+    _e("monai/SegResNet", "segresnet", lambda: monai_segresnet(2), (2, 1, 32, 32), 4, (2, 2), dense=True, fast=True,
+       note="init_filters 4, group norm (2 groups)"),
+    _e("monai/SegResNet3d", "segresnet", lambda: monai_segresnet(3), (1, 1, 16, 16, 16), 4, (1, 2, 2), dense=True,
+       note="3D"),
+    _e("monai/VNet", "vnet", monai_vnet, (1, 1, 32, 32), 2, (2, 1), dense=True,
+       note="2D, dropout 0 (up-transitions' fixed Dropout p set to 0)"),
+    _e("monai/HighResNet", "highresnet", monai_highresnet, (2, 1, 32, 32), 2, (1, 2), dense=True,
+       note="features 4/4/8/16"),
+    _e("monai/AttentionUnet", "unet", monai_attention_unet, (2, 1, 32, 32), 2, (2, 1), dense=True, fast=True,
+       note="channels (4,8,16); additive attention gates (pointwise)"),
+    _e("monai/DenseNet121", "densenet", monai_densenet121, (2, 1, 32, 32), 4, (2, 2)),
+    _e("monai/ResNet", "resnet", monai_resnet, (2, 1, 32, 24), 2, (1, 2)),
+    _e("monai/SEResNet50", "senet", monai_seresnet50, (2, 1, 64, 64), 2, (2, 1), note="layers (1,1,1,1), inplanes 16"),
+    _e("monai/EfficientNet", "efficientnet", monai_efficientnet, (2, 1, 64, 64), 2, (2, 1),
+       note="b0 blocks, width 0.25, no dropout/drop-connect"),
+    _e("monai/FlexibleUNet", "unet", monai_flexible_unet, (2, 1, 64, 64), 2, (1, 2), dense=True,
+       note="resnet10 backbone"),
+]
+
+BY_NAME = {e.name: e for e in ZOO}
+assert len(BY_NAME) == len(ZOO), "duplicate zoo names"
