@@ -3,18 +3,17 @@
 Detection tries torchrun, then SLURM, then LSF/jsrun; each is one small function of an environment
 mapping, so the parsing is unit-tested with fake variables. Rank 0 is the driver.
 
-Ports: the world takes two, ``port`` (the gradient group's store) and ``port + 1`` (the RPC
-rendezvous). It is ``MASTER_PORT``, except under torchrun: torchrun's agent already hosts its own
-store at ``MASTER_PORT``, so the world takes ``MASTER_PORT + 2`` and ``+ 3``. ``BIGCONV_PORT``
-overrides both rules (e.g. when those ports are taken on the launch node).
+Ports: the world takes one, ``port``, for its store (the gradient group and the RPC rendezvous
+share it under their own key prefixes). It is ``MASTER_PORT``, except under torchrun: torchrun's
+agent already hosts its own store at ``MASTER_PORT``, so the world takes ``MASTER_PORT + 2``.
+``BIGCONV_PORT`` overrides both rules (e.g. when that port is taken on the launch node).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_PORT = 29500
@@ -41,8 +40,8 @@ class LaunchInfo:
     master_port: int
     """The launcher's ``MASTER_PORT`` (default 29500)."""
     port: int
-    """The world's gradient-group store port; RPC uses ``port + 1``. Not ``master_port`` under
-    torchrun, whose agent holds a store there; ``BIGCONV_PORT`` sets it outright."""
+    """The world's store port. Not ``master_port`` under torchrun, whose agent holds a store there;
+    ``BIGCONV_PORT`` sets it outright."""
     agent_store: bool = False
     """A torchrun agent hosts a store at ``master_port`` (``TORCHELASTIC_RUN_ID`` is set)."""
 
@@ -166,21 +165,3 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
         "World.from_env() found no launcher: set RANK/WORLD_SIZE (torchrun), SLURM_PROCID/SLURM_NTASKS "
         "(srun) or JSM_NAMESPACE_RANK/JSM_NAMESPACE_SIZE (jsrun); for a local run use World(workers=N)"
     )
-
-
-@contextlib.contextmanager
-def own_rendezvous() -> Iterator[None]:
-    """Let RPC's ``tcp://`` rendezvous host its own store on rank 0, even under torchrun.
-
-    torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True`` in its ranks, and PyTorch's rendezvous
-    then makes rank 0 a client of the agent's store instead of hosting one, at whatever port it is
-    given: at the world's own port nobody would answer. Every rank hides it, so all of them meet
-    the same way; it is back as soon as the block ends.
-    """
-    key = "TORCHELASTIC_USE_AGENT_STORE"
-    saved = os.environ.pop(key, None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ[key] = saved

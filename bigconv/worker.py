@@ -13,7 +13,6 @@ import threading
 import time
 import signal
 import os
-import warnings
 from datetime import timedelta
 
 import torch
@@ -38,23 +37,27 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
 
 
 def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, device: str, threads: int,
-          timeout: float, startup_timeout: float) -> None:
-    from .world import rpc_options
+          timeout: float, startup_timeout: float, ifname: str) -> None:
+    from . import netbind
+    from .world import RPC_STORE_KEY, quiet_rpc_init, rpc_options
 
     torch.set_num_threads(threads)
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=startup_timeout))
-    # The gradient group is initialised before RPC, so once the driver's init_rpc returns every
-    # worker can already allreduce.
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.PrefixStore(GRAD_PREFIX, store),
-                            rank=rank - 1, world_size=world_size - 1, timeout=timedelta(seconds=timeout))
-    transport.set_runtime(WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout))
-    global _METER
-    _METER = PeakMeter(dev)  # the idle baseline: imports, RPC and the process group, no model yet
-    rpc.init_rpc(worker_name(rank - 1), rank=rank, world_size=world_size,
-                 rpc_backend_options=rpc_options(addr, port, world_size - 1, timeout))
+    with netbind.bound_to(ifname):
+        # The gradient group is initialised before RPC, so once the driver's init_rpc returns every
+        # worker can already allreduce.
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                store=dist.PrefixStore(GRAD_PREFIX, store),
+                                rank=rank - 1, world_size=world_size - 1, timeout=timedelta(seconds=timeout))
+        transport.set_runtime(WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout))
+        global _METER
+        _METER = PeakMeter(dev)  # the idle baseline: imports, RPC and the process group, no model yet
+        options = rpc_options(netbind.rendezvous_url(store, RPC_STORE_KEY), world_size - 1, timeout)
+        with quiet_rpc_init():
+            rpc.init_rpc(worker_name(rank - 1), rank=rank, world_size=world_size, rpc_backend_options=options)
     # Serve until the driver says goodbye. Waiting inside rpc.shutdown() instead would hit its
     # barrier timeout on any world that lives longer than rpc_timeout.
     while not _RELEASED.wait(2.0):
@@ -134,8 +137,6 @@ def memory() -> dict:
 
 
 def main() -> None:
-    # Raised inside torch's own RPC bookkeeping, not by anything a user can change.
-    warnings.filterwarnings("ignore", message="You are using a Backend")
     # `kill -USR1 <pid>` prints every thread's stack: the first thing to look at when a worker hangs.
     faulthandler.register(signal.SIGUSR1)
     # Before any model is unpickled here: a torchvision model must import on a CPU-only torch.

@@ -1,15 +1,17 @@
 """The runtime: a driver process plus worker processes joined by RPC and a gradient process group.
 
-Ports: the driver hosts a TCP store at ``port`` (the workers' gradient group, gloo or nccl) and the
-RPC rendezvous at ``port + 1``, so the two never share a host:port. The driver holds no shard and
-is not in the gradient group.
+Ports: the driver hosts one TCP store at ``port``; the workers' gradient group (gloo or nccl) and
+the RPC rendezvous each use it under their own key prefix (``bigconv.netbind``). The driver holds no
+shard and is not in the gradient group.
 
-Security: RPC runs pickled Python for whoever connects. A local world binds to 127.0.0.1; run
-cluster worlds only on a trusted network.
+Security: RPC runs pickled Python for whoever connects. Every socket of a local world listens on
+127.0.0.1 only; a cluster world listens on the interface of its launch address only
+(``bigconv.netbind``), and belongs on a trusted network all the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,14 +21,14 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-import torch.distributed as dist
+import warnings
+
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 
-from . import launch_env
+from . import launch_env, netbind
 from .geometry import check_positive_int
 from .transport import WorkerFailure, worker_name
 
@@ -50,7 +52,7 @@ DRIVER = "driver"
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "THP_MEM_ALLOC_ENABLE": "1", "MKL_DISABLE_FAST_MM": "1"}
 
 
-def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
+def rpc_options(init_method: str, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
     # Each worker parks one thread per forward call and receives a message from every other shard
     # per exchange, so the pool grows with the world to never starve.
     # TensorPipe's shared-memory transport busy-polls: an idle process burnt ~0.65 of a core in our
@@ -59,24 +61,9 @@ def rpc_options(addr: str, port: int, workers: int, timeout: float) -> rpc.Tenso
     # BIGCONV_RPC_TRANSPORTS (e.g. "ibv,uv" on InfiniBand) overrides it for the whole world.
     transports = os.environ.get("BIGCONV_RPC_TRANSPORTS", "uv").split(",")
     return rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=max(16, 2 * workers + 8), rpc_timeout=timeout, init_method=f"tcp://{addr}:{port + 1}",
+        num_worker_threads=max(16, 2 * workers + 8), rpc_timeout=timeout, init_method=init_method,
         _transports=transports, _channels=["basic"] if transports == ["uv"] else None,
     )
-
-
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port ``p`` such that ``p`` and ``p + 1`` are both free right now."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind((host, port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of adjacent ports on 127.0.0.1")
 
 
 _REMOTE_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Failure|Exception|Operation)): (.+)$")
@@ -103,6 +90,80 @@ def _fresh_rpc_counters() -> None:
         rpc._init_counter = 0
     rpc_api._all_gather_sequence_id.clear()
     rpc_api._all_gather_sequence_id_to_states.clear()
+
+
+RPC_STORE_KEY = "bigconv-rpc"
+
+
+class WorldClosedError(ValueError, RuntimeError):
+    """A closed World was used: bad input (a ValueError), and a RuntimeError as it always was."""
+
+_OPEN: "World | None" = None
+
+
+def _claim_process(world: "World") -> None:
+    """One World per process: a process holds one RPC agent (``torch.distributed.rpc``)."""
+    global _OPEN
+    if _OPEN is not None and not _OPEN.closed:
+        raise ValueError(
+            f"this process already has an open {_OPEN!r}; a process can hold one RPC agent, so close it first "
+            "(world.close(), or open worlds with `with bigconv.World(...) as world:`)"
+        )
+    _OPEN = world
+
+
+def _release_process(world: "World") -> None:
+    global _OPEN
+    if _OPEN is world:
+        _OPEN = None
+
+
+# What TensorPipe writes to stderr when a peer closes a pipe while the agent still reads from it.
+# After a clean goodbye every agent does exactly that: each closes its pipes as it stops, and none
+# is told that the others are stopping (the agent's own join would tell them, but it numbers its
+# barrier rounds per process, so a driver's second World would wait forever).
+_EXPECTED_AT_SHUTDOWN = re.compile(rb"encountered error when reading incoming request from \w+: (pipe closed|EOF)")
+
+
+@contextlib.contextmanager
+def expected_shutdown_noise_hidden() -> Iterator[None]:
+    """Drop TensorPipe's closed-pipe lines from this process's stderr (fd 2) during the block.
+
+    Only for the shutdown of a healthy world; every other line passes through unchanged, so a real
+    error is still seen.
+    """
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def forward() -> None:
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                if not _EXPECTED_AT_SHUTDOWN.search(line):
+                    os.write(saved, line)
+
+    relay = threading.Thread(target=forward, daemon=True, name="bigconv-stderr-relay")
+    relay.start()
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)  # closes the pipe's last write end: the relay drains and ends
+        relay.join(5.0)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_rpc_init() -> Iterator[None]:
+    """RPC's init gathers device maps with ``all_gather_object`` on a raw gloo group, which torch
+    itself then warns about as deprecated usage; nothing a user wrote, so not shown to them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        yield
 
 
 class World:
@@ -140,16 +201,19 @@ class World:
         self._closed = self._closing = False
         self._store = None
         self.worker_env = dict(WORKER_ENV if worker_env is None else worker_env)
-        self._start_local(startup_timeout)
+        _claim_process(self)
+        try:
+            self._start_local(startup_timeout)
+        except BaseException:
+            _release_process(self)
+            raise
 
     # -- startup -----------------------------------------------------------------------------
     def _start_local(self, startup_timeout: float) -> None:
         addr = "127.0.0.1"
-        port = free_port_pair(addr)
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        self._store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=startup_timeout))
+        ifname = netbind.loopback_interface()
+        self._store = netbind.host_store(addr, 0, startup_timeout)
+        port = self._store.port
         env = dict(os.environ)
         # TensorPipe logs every pipe closed at shutdown as a warning; keep workers' logs for real trouble.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -161,25 +225,27 @@ class World:
         for index in range(self.workers):
             spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=port, local_rank=index,
                         device=self.device, threads=self.threads_per_worker, timeout=self.timeout,
-                        startup_timeout=startup_timeout)
+                        startup_timeout=startup_timeout, ifname=ifname)
             env["BIGCONV_WORKER"] = json.dumps(spec)
             entry = "from bigconv.worker import main; main()"
             self._procs.append(subprocess.Popen([sys.executable, "-c", entry], env=env))
         try:
-            self._init_driver_rpc(addr, port, startup_timeout)
+            with netbind.bound_to(ifname):
+                self._init_driver_rpc(startup_timeout)
         except BaseException:
             self._kill_local()
             raise
 
-    def _init_driver_rpc(self, addr: str, port: int, startup_timeout: float) -> None:
+    def _init_driver_rpc(self, startup_timeout: float) -> None:
         errors: list[BaseException] = []
 
         _fresh_rpc_counters()
+        options = rpc_options(netbind.rendezvous_url(self._store, RPC_STORE_KEY), self.workers, self.timeout)
 
         def init() -> None:
             try:
-                rpc.init_rpc(DRIVER, rank=0, world_size=self.workers + 1,
-                             rpc_backend_options=rpc_options(addr, port, self.workers, self.timeout))
+                with quiet_rpc_init():
+                    rpc.init_rpc(DRIVER, rank=0, world_size=self.workers + 1, rpc_backend_options=options)
             except BaseException as exc:  # surfaced in the caller's thread
                 errors.append(exc)
 
@@ -203,18 +269,20 @@ class World:
 
         Rank 0 returns the driver's ``World``. Every other rank serves until the driver shuts
         down, then exits the process (or returns None with ``exit_workers=False``), so a script
-        run on every rank continues on the driver only. The world's ports are
-        ``launch_env.LaunchInfo.port`` and the next one (clear of torchrun's own store).
+        run on every rank continues on the driver only. The world's store listens on
+        ``launch_env.LaunchInfo.port`` (clear of torchrun's own store) at the launch address only;
+        every rank's RPC and gloo sockets listen on one interface: ``BIGCONV_IFNAME``, else
+        ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``, else the one that routes to the launch address.
         """
         info = launch_env.detect(env)
         threads = max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
+        ifname = netbind.cluster_interface(info.master_addr, env)
         if info.rank != 0:
             from .worker import serve
 
-            with launch_env.own_rendezvous():
-                serve(rank=info.rank, world_size=info.world_size, addr=info.master_addr, port=info.port,
-                      local_rank=info.local_rank, device=device, threads=threads, timeout=timeout,
-                      startup_timeout=timeout)
+            serve(rank=info.rank, world_size=info.world_size, addr=info.master_addr, port=info.port,
+                  local_rank=info.local_rank, device=device, threads=threads, timeout=timeout,
+                  startup_timeout=timeout, ifname=ifname)
             if exit_workers:
                 sys.exit(0)
             return None
@@ -224,12 +292,16 @@ class World:
         self.device = device
         self.threads_per_worker = threads
         self.broken, self._procs, self._closed, self._closing = None, [], False, False
-        self._store = dist.TCPStore(info.master_addr, info.port, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout))
-        _fresh_rpc_counters()
-        with launch_env.own_rendezvous():
-            rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size,
-                         rpc_backend_options=rpc_options(info.master_addr, info.port, self.workers, timeout))
+        _claim_process(self)
+        try:
+            self._store = netbind.host_store(info.master_addr, info.port, timeout)
+            _fresh_rpc_counters()
+            options = rpc_options(netbind.rendezvous_url(self._store, RPC_STORE_KEY), self.workers, timeout)
+            with netbind.bound_to(ifname), quiet_rpc_init():
+                rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size, rpc_backend_options=options)
+        except BaseException:
+            _release_process(self)
+            raise
         return self
 
     # -- calls ----------------------------------------------------------------------------------
@@ -257,7 +329,8 @@ class World:
 
     def check_usable(self) -> None:
         if self._closed and not self._closing:
-            raise RuntimeError("this World is closed; create a new one")
+            raise WorldClosedError("this World is closed; open a new one (`with bigconv.World(...) as world:`) "
+                                   "and parallelize the model on it")
         if self.broken:
             raise WorkerFailure(f"this World is broken ({self.broken}); close it and create a new one")
 
@@ -337,19 +410,22 @@ class World:
         self._closed = self._closing = True
         healthy = not self.broken and not self.dead_workers()
         try:
-            if healthy:
-                self._release_workers()
-            # RPC's own graceful shutdown numbers its barrier rounds per process, which breaks for a
-            # driver that runs several Worlds; the release above is our barrier instead.
-            rpc.shutdown(graceful=False)
+            if healthy and self._release_workers():
+                with expected_shutdown_noise_hidden():
+                    rpc.shutdown(graceful=False)
+                    self._reap(grace=30.0)
+            else:
+                rpc.shutdown(graceful=False)
         except Exception as exc:  # a failed goodbye must not hide the driver's own error
             log.warning("RPC shutdown was not clean: %s", exc)
         finally:
             self._reap(grace=30.0 if healthy else 0.0)
             self._store = None
+            netbind.forget(RPC_STORE_KEY)
+            _release_process(self)
             self._closing = False
 
-    def _release_workers(self) -> None:
+    def _release_workers(self) -> bool:
         from .worker import release
 
         futures = [rpc.rpc_async(name, release, timeout=self.rpc_timeout) for name in self.names]
@@ -357,6 +433,7 @@ class World:
         for fut in futures:
             while not fut.done() and time.monotonic() < deadline:
                 time.sleep(0.01)
+        return all(f.done() and not f.value() for f in futures)
 
     def _reap(self, grace: float) -> None:
         deadline = time.monotonic() + grace

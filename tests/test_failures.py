@@ -92,12 +92,12 @@ def test_from_env_world_trains_exactly(exclusive):
 
     from bigconv.models import CNN1D
     from bigconv.verify import compare_training
-    from bigconv.world import free_port_pair
+    from bigconv.netbind import listening_socket
 
-    port = free_port_pair()
+    with listening_socket("127.0.0.1") as probe:
+        port = probe.getsockname()[1]
     common = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_WORLD_SIZE": "3"}
-    env = {**os.environ, **common, "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {**os.environ, **common, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     ranks = [subprocess.Popen([sys.executable, "-c", "import bigconv; bigconv.World.from_env(device='cpu')"],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (1, 2)]
     try:

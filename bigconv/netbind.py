@@ -1,0 +1,147 @@
+"""Where a world's sockets listen: one interface, never a wildcard.
+
+RPC runs pickled Python for whoever connects, so every listener a world opens must sit on the one
+interface its peers use: loopback for a local world, the interface of the launch address for a
+cluster world. Three kinds of sockets listen:
+
+- the world's TCP store (rank 0), which ``torch.distributed.TCPStore`` binds to ``::`` unless it is
+  handed a socket that is already bound (``master_listen_fd``);
+- TensorPipe's transport listener (each process), on the interface named by ``TP_SOCKET_IFNAME``;
+- gloo's pairs (each process), on the interface named by ``GLOO_SOCKET_IFNAME``.
+
+RPC's own ``tcp://`` rendezvous would host a second store on a wildcard; ``bigconv://`` instead
+hands RPC the world's store (under its own key prefix), so a world has exactly one store port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+from typing import Iterator
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+IFNAME_VARS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+_STORES: dict[str, dist.Store] = {}
+
+
+def _interfaces() -> dict[str, list[str]]:
+    """Interface name -> its IPv4/IPv6 addresses."""
+    import psutil
+
+    return {name: [a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def interface_with(ip: str) -> str | None:
+    """The name of the local interface that holds address ``ip``."""
+    for name, addrs in _interfaces().items():
+        if ip in addrs:
+            return name
+    return None
+
+
+def loopback_interface() -> str:
+    found = interface_with("127.0.0.1")
+    if found is None:
+        raise RuntimeError("this machine has no interface with address 127.0.0.1; a local World needs loopback")
+    return found
+
+
+def resolve(host: str) -> str:
+    """``host`` as an IP address (the first IPv4 one when it has several)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+    return (v4 or [infos[0][4][0]])[0]
+
+
+def route_interface(host: str) -> str:
+    """The local interface this process reaches ``host`` through (no packet is sent)."""
+    ip = resolve(host)
+    if ipaddress.ip_address(ip).is_loopback:
+        return loopback_interface()
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((ip, 9))  # a UDP connect only picks the route
+        local = probe.getsockname()[0]
+    name = interface_with(local)
+    if name is None:
+        raise RuntimeError(f"cannot tell which interface reaches {host} ({ip}); set BIGCONV_IFNAME")
+    return name
+
+
+def cluster_interface(master_addr: str, env=None) -> str:
+    """The interface a cluster rank binds to: ``BIGCONV_IFNAME``, else one the user named for gloo or
+    TensorPipe, else the route to the launch address."""
+    env = os.environ if env is None else env
+    for key in ("BIGCONV_IFNAME", *IFNAME_VARS):
+        if env.get(key):
+            return env[key]
+    return route_interface(master_addr)
+
+
+@contextlib.contextmanager
+def bound_to(ifname: str) -> Iterator[None]:
+    """TensorPipe and gloo, created inside this block, listen on ``ifname`` only."""
+    saved = {k: os.environ.get(k) for k in IFNAME_VARS}
+    os.environ.update({k: ifname for k in IFNAME_VARS})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) and listening."""
+    ip = resolve(host)
+    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((ip, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {ip}:{port} ({exc.strerror}); set BIGCONV_PORT to a free port") from exc
+    sock.listen(512)
+    return sock
+
+
+def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The world's store, hosted by this process on ``host:port`` alone (port 0: a free one)."""
+    sock = listening_socket(host, port)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(resolve(host), port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+def rendezvous_url(store: dist.Store, key: str) -> str:
+    """An RPC ``init_method`` that hands RPC ``store`` (registered under ``key`` in this process)."""
+    _STORES[key] = store
+    return f"bigconv://{key}"
+
+
+def forget(key: str) -> None:
+    _STORES.pop(key, None)
+
+
+def _rendezvous(url: str, timeout=None, **kwargs):
+    parsed = urlparse(url)
+    query = dict(part.split("=", 1) for part in parsed.query.split("&") if "=" in part)
+    key = parsed.netloc
+    if key not in _STORES:
+        raise ValueError(f"no store registered for {url}; it is created by bigconv.World only")
+    yield _STORES[key], int(query.get("rank", -1)), int(query.get("world_size", -1))
+
+
+dist.register_rendezvous_handler("bigconv", _rendezvous)
