@@ -16,7 +16,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 
-from . import losses, worker
+from . import checks, losses, saving, worker
 from .dry_run import dry_run, meta_copy
 from .executors import join_shards, split_shards
 from .geometry import choose_grid, shard_box, all_coords, validate_grid
@@ -59,7 +59,7 @@ class _PickFirst(torch.autograd.Function):
 class ParallelModel:
     """A model whose forward and training run on the workers of a ``World``."""
 
-    def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None) -> None:
+    def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None, check_finite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(world, World):
@@ -70,18 +70,21 @@ class ParallelModel:
         self.grid = validate_grid(grid, world.workers) if grid is not None else None
         self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
         self.training = model.training
+        self.check_finite = check_finite
         self._meta = meta_copy(model)
         self._plans: dict[tuple, Plan] = {}
         self._calls = itertools.count(1)
         self.id = next(_model_ids)
         self.has_optimizer = False
+        self.optimizer_class: str | None = None
+        self.steps = 0
+        """Optimizer steps taken (restored by ``load``)."""
         payload = to_payload(model)
         world.call(worker.install, [(self.id, payload)] * world.workers, "installing the model")
 
     # -- planning (driver only, before remote work) ---------------------------------------------
     def plan(self, x: torch.Tensor) -> Plan:
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"x must be a tensor of shape (N, C, *spatial), got {type(x).__name__}")
+        checks.check_input(x, self.check_finite)
         key = (tuple(x.shape), x.dtype, self.training)
         if key not in self._plans:
             self._plans[key] = self._make_plan(x)
@@ -123,12 +126,14 @@ class ParallelModel:
             raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
         self.world.call(worker.make_optimizer, [(self.id, cls, kwargs)] * self.world.workers, "creating the optimizer")
         self.has_optimizer = True
+        self.optimizer_class = saving.class_name(cls)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float:
         """One forward, backward and optimizer step on the whole batch; returns the loss."""
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x)
+        checks.check_target(x, y, loss_fn, plan.out_full_shape)
         dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
             y, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y)
         args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
@@ -142,6 +147,7 @@ class ParallelModel:
                 raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
             self.world.backward(ctx, loss, f"backward of step {args[0][0]}")
             self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {args[0][0]}")
+        self.steps += 1
         return float(loss.detach())
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
@@ -151,6 +157,7 @@ class ParallelModel:
         by layer, that the distributed backward pass is the single-process one.
         """
         plan = self.plan(x)
+        checks.check_target(x, y, loss_fn, plan.out_full_shape)
         args = self._shard_args(plan, x, None, None, grad="input")
         with dist_autograd.context() as ctx:
             results = self.world.wait(self._launch(args), f"forward of call {args[0][0]}")
@@ -203,6 +210,39 @@ class ParallelModel:
         futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.rpc_timeout) for n in names]
         return self.world.wait(futures, "reading weights")
 
+    def save(self, path) -> str:
+        """Write weights, optimizer state, step count and generator states to ``path`` atomically.
+
+        The file loads into a plain model and optimizer too (see ``bigconv.saving``).
+        """
+        self.world.check_usable()
+        parts = self.world.call(worker.checkpoint_state, [(self.id, i == 0) for i in range(self.world.workers)],
+                                "saving a checkpoint")
+        ck = {"format": saving.FORMAT, "version": saving.VERSION, "model": parts[0]["model"],
+              "optimizer": parts[0]["optimizer"], "optimizer_class": self.optimizer_class, "step": self.steps,
+              "rng": {"driver": torch.get_rng_state(), "workers": [p["rng"] for p in parts]},
+              "workers": self.world.workers, "grid": list(self.grid) if self.grid else None}
+        return saving.atomic_save(ck, path)
+
+    def load(self, path) -> "ParallelModel":
+        """Restore what ``save`` wrote, on any worker count or grid; the optimizer must already exist,
+        made with the same class and arguments. Every check runs before any worker changes, so a bad
+        file leaves the model as it was. Workers' generator states return on the same worker count.
+        """
+        path = str(path)
+        ck = saving.read(path)
+        saving.check_model_state(ck["model"], self._meta.state_dict(), path)
+        groups = [len(list(self._meta.parameters()))]
+        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"), groups, self.optimizer_class,
+                                     path)
+        n = self.world.workers
+        rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
+        self.world.call(worker.load_checkpoint, [(self.id, ck["model"], ck.get("optimizer"), r) for r in rngs],
+                        "loading a checkpoint")
+        self.steps = int(ck.get("step", 0))
+        torch.set_rng_state(ck["rng"]["driver"])
+        return self
+
     def train(self, mode: bool = True) -> "ParallelModel":
         self.training = mode
         self.world.call(worker.set_training, [(self.id, mode)] * self.world.workers, "setting train mode")
@@ -212,6 +252,11 @@ class ParallelModel:
         return self.train(False)
 
 
-def parallelize(model: nn.Module, world: World, grid: tuple[int, ...] | None = None) -> ParallelModel:
-    """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input)."""
-    return ParallelModel(model, world, grid)
+def parallelize(model: nn.Module, world: World, grid: tuple[int, ...] | None = None, *,
+                check_finite: bool = False) -> ParallelModel:
+    """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input).
+
+    ``check_finite``: refuse inputs holding NaN or inf before sending them (off by default: it reads
+    the whole batch once more).
+    """
+    return ParallelModel(model, world, grid, check_finite)

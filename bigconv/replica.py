@@ -118,3 +118,41 @@ class Replica:
 
     def state_dict(self) -> dict:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def checkpoint_state(self, full: bool) -> dict:
+        """This replica's generator states; with ``full``, its weights and optimizer state as well."""
+        state: dict = {"rng": rng_state(self.rt.device)}
+        if full:
+            state["model"] = self.state_dict()
+            state["optimizer"] = _to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None
+        return state
+
+    def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None) -> None:
+        self.model.load_state_dict(model_state)
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        if rng is not None:
+            set_rng_state(rng, self.rt.device)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -9,10 +9,10 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import os
+import signal
 import threading
 import time
-import signal
-import os
 from datetime import timedelta
 
 import torch
@@ -108,6 +108,14 @@ def make_optimizer(model_id: int, cls, kwargs: dict) -> None:
 
 def state_dict(model_id: int) -> dict:
     return replica(model_id).state_dict()
+
+
+def checkpoint_state(model_id: int, full: bool) -> dict:
+    return replica(model_id).checkpoint_state(full)
+
+
+def load_checkpoint(model_id: int, model_state: dict, optimizer_state: dict | None, rng: dict | None) -> None:
+    replica(model_id).load_checkpoint(model_state, optimizer_state, rng)
 
 
 def set_training(model_id: int, mode: bool) -> None:

@@ -16,14 +16,12 @@ import json
 import logging
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
-
 import warnings
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api

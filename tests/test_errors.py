@@ -117,3 +117,55 @@ def test_world_rejects_bad_arguments(kwargs, match):
 def test_models_reject_bad_sizes(kwargs):
     with pytest.raises(ValueError, match="must be a positive integer"):
         CNN2D(**kwargs)
+
+
+def _dense() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1))
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("model,x,y,loss_fn,match", [
+    (CNN2D, torch.randn(0, 1, 8, 8), torch.zeros(0, dtype=torch.long), nn.CrossEntropyLoss(), "the batch is empty"),
+    (CNN2D, torch.randn(2, 1, 8, 8), torch.tensor([0, 5]), nn.CrossEntropyLoss(),
+     r"class labels must lie in \[0, 2\).*y holds 5"),
+    (CNN2D, torch.randn(2, 1, 8, 8), torch.tensor([-3, 1]), nn.NLLLoss(), r"class labels must lie in \[0, 2\)"),
+    (_dense, torch.randn(1, 1, 8, 8), torch.full((1, 8, 8), 2), nn.CrossEntropyLoss(), r"\[0, 2\)"),
+    (CNN2D, torch.randn(2, 1, 8, 8), torch.tensor([0, 1, 1]), nn.CrossEntropyLoss(), "x holds 2 images but y holds 3"),
+    (_dense, torch.randn(1, 1, 8, 8), torch.randn(1, 2, 4, 4), nn.MSELoss(),
+     r"cannot take the model's output of shape \(1, 2, 8, 8\) with targets of shape \(1, 2, 4, 4\)"),
+    (CNN2D, torch.randn(2, 1, 8, 8), torch.tensor([0, 1]), nn.CrossEntropyLoss(reduction="none"),
+     r"must return a scalar tensor, got \(2,\); use reduction='mean'"),
+    (CNN2D, torch.randn(2, 1, 8, 8), [0, 1], nn.CrossEntropyLoss(), r"y must be a tensor.*torch.tensor"),
+    (CNN2D, torch.randn(2, 1, 8, 8), torch.tensor([0, 1]), "cross_entropy", "loss_fn must be callable"),
+])
+def test_bad_batches_are_refused_before_remote_work(world, rpc_calls, model, x, y, loss_fn, match):
+    net = bigconv.parallelize(model(), world, grid=(2, 2))
+    net.optimizer(torch.optim.SGD, lr=0.1)
+    rpc_calls.clear()
+    with pytest.raises(ValueError, match=match):
+        net.train_step(x, y, loss_fn)
+    with pytest.raises(ValueError, match=match):
+        net.gradients(x, y, loss_fn)
+    assert rpc_calls == []
+
+
+@pytest.mark.world(4)
+def test_non_finite_input_is_refused_when_asked(world, rpc_calls):
+    x = torch.randn(1, 1, 8, 8)
+    x[0, 0, 3, 4] = float("nan")
+    net = bigconv.parallelize(CNN2D(), world, grid=(2, 2), check_finite=True)
+    rpc_calls.clear()
+    with pytest.raises(ValueError, match="x holds 1 NaN or infinite values"):
+        net(x)
+    assert rpc_calls == []
+    unchecked = bigconv.parallelize(CNN2D(), world, grid=(2, 2))  # off by default: the NaN flows through
+    assert torch.isnan(unchecked(x)).all()
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(60)
+def test_a_closed_world_is_refused(exclusive):
+    with bigconv.World(workers=1) as world:
+        pass
+    with pytest.raises(ValueError, match="this World is closed; open a new one"):
+        bigconv.parallelize(CNN2D(), world)

@@ -1,0 +1,68 @@
+"""Checks of a batch on the driver, before any remote work: each failure names the problem and the fix.
+
+A bad label or a mismatched target would otherwise surface as an ``IndexError`` or a shape error
+from inside the workers' loss, after every worker has run its forward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+LABEL_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
+
+
+def check_input(x, check_finite: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a tensor of shape (N, C, *spatial), got {type(x).__name__}")
+    if x.dim() >= 1 and x.shape[0] == 0:
+        raise ValueError(f"the batch is empty: x has shape {tuple(x.shape)}; pass at least one image")
+    if x.is_floating_point() and check_finite and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"x holds {bad} NaN or infinite values; clean the input (check_finite=True found them)")
+
+
+def check_target(x: torch.Tensor, y, loss_fn: Callable, out_shape: tuple[int, ...]) -> None:
+    """``y`` and ``loss_fn`` against the model's output shape ``out_shape`` (from the dry run)."""
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"y must be a tensor of targets, got {type(y).__name__}; wrap labels with torch.tensor(...)")
+    if y.dim() >= 1 and y.shape[0] != x.shape[0]:
+        raise ValueError(f"x holds {x.shape[0]} images but y holds {y.shape[0]} targets; pass one target per image")
+    if isinstance(loss_fn, LABEL_LOSSES) and not y.is_floating_point() and len(out_shape) >= 2:
+        _check_labels(y, loss_fn, out_shape[1])
+    _check_loss_on_meta(y, loss_fn, out_shape, x.dtype)
+
+
+def _check_labels(y: torch.Tensor, loss_fn: nn.Module, classes: int) -> None:
+    labels = y[y != loss_fn.ignore_index]
+    bad = labels[(labels < 0) | (labels >= classes)]
+    if bad.numel():
+        raise ValueError(
+            f"class labels must lie in [0, {classes}) for a {type(loss_fn).__name__} on an output with {classes} "
+            f"classes, but y holds {int(bad[0])} ({bad.numel()} labels out of range); fix the labels, or give the "
+            f"model as many outputs as classes"
+        )
+
+
+def _check_loss_on_meta(y: torch.Tensor, loss_fn: Callable, out_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Run ``loss_fn`` on shapes alone: a target that does not fit, or a non-scalar loss, shows up here."""
+    out = torch.empty(out_shape, dtype=dtype if dtype.is_floating_point else torch.float32, device="meta")
+    try:
+        loss = loss_fn(out, y.to("meta"))
+    except Exception as exc:  # a loss that reads values cannot be judged on shapes; the real run will tell
+        if "meta" in str(exc).lower() or isinstance(exc, NotImplementedError):
+            return
+        raise ValueError(
+            f"loss_fn cannot take the model's output of shape {tuple(out_shape)} with targets of shape "
+            f"{tuple(y.shape)} and dtype {y.dtype} ({type(exc).__name__}: {exc}); give targets of the shape the "
+            "loss expects for this output"
+        ) from exc
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got {shape}; use reduction='mean' or 'sum' (or call .mean() on it)"
+        )

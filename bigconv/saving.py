@@ -1,0 +1,118 @@
+"""Checkpoint files: one atomic write, readable by a plain model and optimizer.
+
+The file is a ``torch.save`` of plain data (loadable with ``weights_only=True``):
+
+- ``"model"``: weights and buffers under the single-process names;
+- ``"optimizer"``: the state a plain optimizer over ``model.parameters()`` would hold (its
+  ``state_dict()``), or None;
+- ``"optimizer_class"``, ``"step"``, ``"rng"`` (the driver's and each worker's generator states),
+  ``"workers"``, ``"format"``, ``"version"``.
+
+A plain process continues with ``model.load_state_dict(ck["model"])`` and
+``optimizer.load_state_dict(ck["optimizer"])``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+FORMAT = "bigconv-checkpoint"
+VERSION = 1
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> str:
+    """Write ``obj`` to ``path`` so that a crash leaves the old file or the new one, never a torn one."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # the rename itself must reach the disk too
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return path
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def read(path: str | os.PathLike) -> dict:
+    """A checkpoint written by ``save``; a clear ValueError for a missing, truncated or foreign file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path!r}; give the path that net.save() wrote")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot read the checkpoint {path!r}: it is truncated, corrupt or not a torch file "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); use an intact copy"
+        ) from exc
+    if not (isinstance(ck, dict) and ck.get("format") == FORMAT):
+        raise ValueError(f"{path!r} is not a bigconv checkpoint (no format tag {FORMAT!r}); write it with net.save()")
+    if ck.get("version", 0) > VERSION:
+        raise ValueError(f"{path!r} was written by a newer bigconv (format version {ck['version']}); upgrade bigconv")
+    return ck
+
+
+def check_model_state(saved: dict, expected: dict, path: str) -> None:
+    """The saved weights fit a model whose state dict is ``expected`` (names, shapes, dtypes)."""
+    for name, tensor in expected.items():
+        if name not in saved:
+            raise ValueError(
+                f"the checkpoint {path!r} is from another architecture: it has no {name!r}; "
+                "load it into the model it was saved from"
+            )
+        got = saved[name]
+        if tuple(got.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"the checkpoint {path!r} is from another architecture: {name!r} has shape {tuple(got.shape)} there "
+                f"but {tuple(tensor.shape)} in this model; load it into the model it was saved from"
+            )
+    extra = [k for k in saved if k not in expected]
+    if extra:
+        raise ValueError(
+            f"the checkpoint {path!r} is from another architecture: this model has no {extra[0]!r}; "
+            "load it into the model it was saved from"
+        )
+
+
+def check_optimizer_state(saved: dict | None, saved_class: str | None, params_per_group: list[int],
+                          current_class: str | None, path: str) -> None:
+    if saved is None:
+        return
+    if current_class is None:
+        raise ValueError(
+            f"the checkpoint {path!r} holds {saved_class} state but this model has no optimizer; call "
+            f"net.optimizer({saved_class}, ...) with the arguments of the saved run before net.load()"
+        )
+    if current_class != saved_class:
+        raise ValueError(
+            f"the checkpoint {path!r} holds {saved_class} state but this model's optimizer is {current_class}; "
+            f"create it with net.optimizer({saved_class}, ...)"
+        )
+    groups = [len(g["params"]) for g in saved["param_groups"]]
+    if groups != params_per_group:
+        raise ValueError(
+            f"the checkpoint {path!r} has parameter groups of sizes {groups} but this model's optimizer has "
+            f"{params_per_group}; create the optimizer over the same parameters as the saved run"
+        )
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,170 @@
+"""Checkpoint and resume: a preempted run continues as if it had never stopped.
+
+3 steps equal 1 step, save, a new World, load, 2 steps: bit for bit on the same worker count,
+to rounding on another, and a plain model and optimizer continue from the same file exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+
+import bigconv
+from bigconv import saving
+from bigconv.models import CNN2D, CNN1D
+
+TOL = 1e-12
+
+
+def make_model(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    # No bias before the BatchNorm: its gradient is zero up to rounding, which Adam would scale up to
+    # lr-sized steps that differ with the rounding of each worker count.
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(2, 1, 12, 10, generator=g, dtype=torch.float64), torch.randint(0, 3, (2,), generator=g))
+            for _ in range(n)]
+
+
+def train(net, data) -> None:
+    for x, y in data:
+        net.train_step(x, y, nn.CrossEntropyLoss())
+
+
+def rel(a: dict, b: dict) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max() / (b[k].double().abs().max() + 1e-300))
+               for k in b if b[k].is_floating_point())
+
+
+def fresh(world, grid=None):
+    net = bigconv.parallelize(make_model(seed=99), world, grid=grid)  # load must overwrite every weight
+    net.optimizer(torch.optim.Adam, lr=0.01, betas=(0.8, 0.9))
+    return net
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(240)
+def test_resume_equals_uninterrupted_training(world_manager, tmp_path):
+    data = batches(3)
+    world = world_manager.get(2)
+    ref = bigconv.parallelize(make_model(), world, grid=(2, 1))
+    ref.optimizer(torch.optim.Adam, lr=0.01, betas=(0.8, 0.9))
+    train(ref, data)
+    want = ref.state_dict()
+
+    first = bigconv.parallelize(make_model(), world, grid=(2, 1))
+    first.optimizer(torch.optim.Adam, lr=0.01, betas=(0.8, 0.9))
+    train(first, data[:1])
+    path = first.save(tmp_path / "ck.pt")
+    assert os.listdir(tmp_path) == ["ck.pt"]  # no temporary file left behind
+
+    world_manager.close()  # the job is preempted
+    world = world_manager.get(2)
+    again = fresh(world, grid=(2, 1))
+    again.load(path)
+    assert again.steps == 1
+    train(again, data[1:])
+    got = again.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), "resume on the same worker count is not bit-identical"
+
+    world = world_manager.get(4)
+    other = fresh(world, grid=(2, 2))
+    other.load(path)
+    train(other, data[1:])
+    assert rel(other.state_dict(), want) <= TOL
+
+    plain = make_model()
+    ck = torch.load(path, weights_only=True)
+    plain.load_state_dict(ck["model"])
+    opt = torch.optim.Adam(plain.parameters(), lr=0.01, betas=(0.8, 0.9))
+    opt.load_state_dict(ck["optimizer"])
+    for x, y in data[1:]:
+        opt.zero_grad()
+        nn.CrossEntropyLoss()(plain(x), y).backward()
+        opt.step()
+    assert rel(plain.state_dict(), want) <= 1e-9
+
+
+@pytest.fixture
+def rpc_calls(monkeypatch):
+    calls = []
+    real = rpc.rpc_async
+    monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: calls.append(a[:2]) or real(*a, **k))
+    return calls
+
+
+def _corrupt(path, tmp_path):
+    bad = tmp_path / "truncated.pt"
+    bad.write_bytes(open(path, "rb").read()[:300])
+    return bad
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("case,match", [
+    ("truncated", "truncated, corrupt or not a torch file"),
+    ("missing", "no checkpoint at"),
+    ("foreign", "not a bigconv checkpoint"),
+    ("architecture", r"from another architecture: it has no 'features.0.weight'"),
+    ("no_optimizer", r"has no optimizer; call net.optimizer\(torch.optim.adam.Adam"),
+    ("other_optimizer", "this model's optimizer is torch.optim.sgd.SGD"),
+])
+def test_a_bad_checkpoint_is_refused_and_leaves_the_model_alone(world, tmp_path, rpc_calls, case, match):
+    src = fresh(world)
+    train(src, batches(1))
+    path = src.save(tmp_path / "ck.pt")
+    target = bigconv.parallelize(make_model(), world)
+    if case != "no_optimizer":
+        target.optimizer(torch.optim.SGD if case == "other_optimizer" else torch.optim.Adam, lr=0.01)
+    if case == "truncated":
+        path = _corrupt(path, tmp_path)
+    elif case == "missing":
+        path = tmp_path / "nothing.pt"
+    elif case == "foreign":
+        torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
+        path = tmp_path / "foreign.pt"
+    elif case == "architecture":
+        target = bigconv.parallelize(CNN2D(in_channels=1, num_classes=3).double(), world)
+        target.optimizer(torch.optim.Adam, lr=0.01)
+    before = target.state_dict()
+    rpc_calls.clear()
+    with pytest.raises(ValueError, match=match):
+        target.load(path)
+    assert rpc_calls == [], "the checks must run before any worker is touched"
+    after = target.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_crash_while_writing_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "ck.pt"
+    saving.atomic_save({"format": saving.FORMAT, "step": 1}, path)
+
+    def torn(obj, fh):
+        fh.write(b"half a file")
+        raise KeyboardInterrupt  # the job is killed mid-write
+
+    monkeypatch.setattr(torch, "save", torn)
+    with pytest.raises(KeyboardInterrupt):
+        saving.atomic_save({"format": saving.FORMAT, "step": 2}, path)
+    monkeypatch.undo()
+    assert saving.read(path)["step"] == 1
+    assert os.listdir(tmp_path) == ["ck.pt"]
+
+
+@pytest.mark.world(2)
+def test_a_plain_checkpoint_of_a_model_without_optimizer_loads_weights_only(world, tmp_path):
+    src = bigconv.parallelize(CNN1D(1, 2).double(), world)
+    path = src.save(tmp_path / "w.pt")
+    ck = torch.load(path, weights_only=True)
+    assert ck["optimizer"] is None and ck["step"] == 0 and len(ck["rng"]["workers"]) == 2
+    dst = bigconv.parallelize(copy.deepcopy(CNN1D(1, 2).double()), world)
+    dst.load(path)
+    assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
