@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import bigconv
 from bigconv.world import WORKER_ENV
-from experiments.workload import Workload, environment, plain_in_fresh_process, train_distributed
+from bigconv.harness.workload import Workload, environment, plain_in_fresh_process, train_distributed
 
 MiB = 2**20
 

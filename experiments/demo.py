@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import bigconv
-from experiments.workload import Workload, plain_in_fresh_process, train_distributed
+from bigconv.harness.workload import Workload, plain_in_fresh_process, train_distributed
 
 MiB = 2**20
 

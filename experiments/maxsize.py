@@ -8,7 +8,7 @@
 - CPU: a size fits when its run ends ``ok`` with every worker's measured peak (RSS above the warm
   idle baseline) within the budget.
 
-Each probe is one configuration in fresh processes (``experiments.runner``), recorded with
+Each probe is one configuration in fresh processes (``bigconv.harness.runner``), recorded with
 ``purpose: maxsize``; a rerun reuses the probes already in the file. The search predicts the next
 edge from the measured peaks (peak ~ a + b * elements), then brackets and bisects until the edges
 that fit and fail are within ``--tolerance`` of each other. One ``maxsize`` record per worker count
@@ -21,8 +21,9 @@ import argparse
 import time
 from dataclasses import asdict, replace
 
-from experiments import presets, records, registry
-from experiments.runner import RunConfig, run_fresh
+from bigconv.harness import records, registry
+from experiments import presets
+from bigconv.harness.runner import RunConfig, run_fresh
 from experiments.sweep import int_list, label, parse_amount, summary
 
 MiB = 2**20

@@ -61,7 +61,7 @@ def snapshot() -> dict:
 def main(argv=None) -> None:
     import bigconv
     probe = importlib.import_module("experiments.memory_probe")  # workers cannot unpickle __main__'s functions
-    from experiments.workload import Workload
+    from bigconv.harness.workload import Workload
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="cnn3d")

@@ -23,7 +23,7 @@ import torch
 import bigconv
 from bigconv.world import WORKER_ENV
 from experiments.bench_core import append
-from experiments.workload import Workload, environment
+from bigconv.harness.workload import Workload, environment
 
 OUT = "results/runtime_costs.jsonl"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -53,7 +53,7 @@ def idle_cpu(transports: str) -> list[float]:
 
 
 def plain_step(env: dict) -> float:
-    code = ("import json; from experiments.workload import Workload, train_plain; "
+    code = ("import json; from bigconv.harness.workload import Workload, train_plain; "
             "print(json.dumps(train_plain(Workload(model='cnn2d', size=2048, steps=2), 1)))")
     clean = {k: v for k, v in os.environ.items() if k not in WORKER_ENV}
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,

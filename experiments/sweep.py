@@ -4,7 +4,7 @@
     python -m experiments.sweep --preset fig3_cnn2d --quick        # -> results/fig3_cnn2d_quick.jsonl
 
 - The plain single-process run (``workers`` 0, no RPC) is always included, like the study's blue curves.
-- Each configuration appends one record (``experiments.records``) with status ``ok``, ``oom`` or
+- Each configuration appends one record (``bigconv.harness.records``) with status ``ok``, ``oom`` or
   ``error`` and a message. After an ``oom``, larger sizes of the same worker count are skipped
   (``--keep-going`` runs them anyway) and the sweep goes on.
 - A rerun skips every configuration already recorded (``--retry-errors`` reruns ``error`` ones),
@@ -21,8 +21,9 @@ import sys
 import time
 from dataclasses import asdict
 
-from experiments import presets, records, registry
-from experiments.runner import RunConfig, run_fresh
+from bigconv.harness import records, registry
+from experiments import presets
+from bigconv.harness.runner import RunConfig, run_fresh
 
 MiB = 2**20
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,

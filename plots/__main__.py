@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments import records
+from bigconv.harness import records
 from plots import dsn, study
 
 

@@ -14,7 +14,7 @@ import argparse
 import os
 from collections import defaultdict
 
-from experiments import records
+from bigconv.harness import records
 from plots.study import _footer, _plt, _save, latest_maxsize, limit_bytes
 
 MiB = 2**20

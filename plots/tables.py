@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments import records
+from bigconv.harness import records
 from experiments.maxsize import report
 from plots.study import latest_maxsize, memory_ratios, scaling_size
 

@@ -11,8 +11,9 @@ import os
 
 import pytest
 
-from experiments import fig7, records
-from experiments.runner import RunConfig
+from bigconv.harness import records
+from experiments import fig7
+from bigconv.harness.runner import RunConfig
 from experiments.sweep import plan
 from plots import dsn as dsn_plots
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from experiments import records
+from bigconv.harness import records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

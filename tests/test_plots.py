@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from experiments import records
+from bigconv.harness import records
 from experiments.maxsize import report, search
-from experiments.runner import RunConfig
+from bigconv.harness.runner import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from experiments.recorder import Recorder, limit_memory
+from bigconv.harness.recorder import Recorder, limit_memory
 
 GiB = 2**30
 
@@ -183,6 +183,6 @@ def test_limit_memory_cpu_turns_excess_into_allocator_oom():
     ("ValueError: grid (3, 3) does not fit", "error"),
 ])
 def test_classify(text, status):
-    from experiments.runner import classify
+    from bigconv.harness.runner import classify
 
     assert classify(text) == status

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from experiments import records
-from experiments.runner import RunConfig, describe
+from bigconv.harness import records
+from bigconv.harness.runner import RunConfig, describe
 from experiments.sweep import parse_amount, plan, run_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +118,7 @@ def test_registry_and_dsn_plan():
     """fcn2d/unet are one registry entry each; dsn sweeps targets, with the workers its placement needs."""
     from multidsn.placement import workers_needed
 
-    from experiments.registry import MODELS
+    from bigconv.harness.registry import MODELS
 
     assert {"cnn1d", "cnn2d", "cnn3d", "fcn2d", "unet", "dsn"} <= set(MODELS)
     assert MODELS["fcn2d"].round_size(100, 3) == 96 and MODELS["fcn2d"].task == "segment"

@@ -7,7 +7,7 @@
 
 ``World.from_env()`` reads the launcher's variables: rank 0 drives, every other rank is a worker
 that serves inside ``from_env`` and exits when the driver is done, so N+1 processes give N workers.
-Rank 0 appends one record (``experiments.runner``'s format, plus the launcher) to ``--out``,
+Rank 0 appends one record (``bigconv.harness.runner``'s format, plus the launcher) to ``--out``,
 unless that configuration is already recorded. Launch once per configuration: fresh processes
 each time, as on a laptop.
 """
@@ -18,8 +18,8 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from experiments import records, registry
-from experiments.runner import RunConfig, run_here
+from bigconv.harness import records, registry
+from bigconv.harness.runner import RunConfig, run_here
 from experiments.sweep import parse_amount, summary
 
 

@@ -1,6 +1,6 @@
 """One configuration, measured in fresh processes: the unit every sweep and size search is made of.
 
-    python -m experiments.runner '{"model": "cnn2d", "size": 512, "workers": 2}'   # prints RECORD {...}
+    python -m bigconv.harness.runner '{"model": "cnn2d", "size": 512, "workers": 2}'   # prints RECORD {...}
 
 ``run_fresh`` starts this module in a new process (peak RSS never resets across configurations;
 a World's workers are new processes too) and turns whatever happens into one record: ``ok``, ``oom``
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from bigconv.world import WORKER_ENV
-from experiments import registry
+from bigconv.harness import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "RECORD "
@@ -35,7 +35,7 @@ class RunConfig:
     """One measured configuration."""
 
     model: str = "cnn2d"
-    """A name in ``experiments.registry.MODELS``."""
+    """A name in ``bigconv.harness.registry.MODELS``."""
     size: int = 256
     """Edge of the square/cubic input (its length for 1D)."""
     workers: int = 0
@@ -109,15 +109,15 @@ def _summary(per_worker: list[dict]) -> dict:
 
 
 def _workload(cfg: RunConfig):
-    from experiments.workload import Workload
+    from bigconv.harness.workload import Workload
 
     return Workload(model=cfg.model, size=cfg.size, batch=cfg.batch, width=cfg.width, depth=cfg.depth,
                     dtype=cfg.dtype, steps=cfg.steps)
 
 
 def run_plain(cfg: RunConfig) -> dict:
-    from experiments.recorder import Recorder, limit_memory
-    from experiments.workload import train_plain, warmup_workload
+    from bigconv.harness.recorder import Recorder, limit_memory
+    from bigconv.harness.workload import train_plain, warmup_workload
 
     w = _workload(cfg)
     threads = max(1, os.cpu_count() or 1)
@@ -137,8 +137,8 @@ def run_dsn(cfg: RunConfig, world=None) -> dict:
     import bigconv
     from multidsn import bench
 
-    from experiments import recorder
-    from experiments.recorder import Recorder
+    from bigconv.harness import recorder
+    from bigconv.harness.recorder import Recorder
 
     dtype = getattr(torch, cfg.dtype)
     kwargs = dict(steps=cfg.steps + 1, width=cfg.width, batch_size=cfg.batch, depth=cfg.depth, dtype=dtype)
@@ -174,7 +174,7 @@ def run_dsn(cfg: RunConfig, world=None) -> dict:
 def run_world(cfg: RunConfig, world=None) -> dict:
     """On ``world`` (one launched by a cluster launcher), or on a fresh local World of ``cfg.workers``."""
     import bigconv
-    from experiments.workload import train_distributed
+    from bigconv.harness.workload import train_distributed
 
     w = _workload(cfg)
     if world is not None:
@@ -187,7 +187,7 @@ def run_world(cfg: RunConfig, world=None) -> dict:
 
 def describe(cfg: RunConfig) -> dict:
     """The record's leading fields: what was run, where."""
-    from experiments.workload import environment
+    from bigconv.harness.workload import environment
 
     env = environment()
     spec = registry.spec(cfg.model)
@@ -224,7 +224,7 @@ def run_here(cfg: RunConfig, world=None) -> dict:
 def run_fresh(cfg: RunConfig, extra_env: dict | None = None) -> dict:
     """Run ``cfg`` in a new process; a record even if that process dies or runs out of time."""
     env = {**WORKER_ENV, **os.environ, **(extra_env or {})}
-    cmd = [sys.executable, "-m", "experiments.runner", json.dumps(asdict(cfg))]
+    cmd = [sys.executable, "-m", "bigconv.harness.runner", json.dumps(asdict(cfg))]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -21,8 +21,8 @@ from bigconv import worker
 from bigconv.memory import PeakMeter
 from bigconv.provenance import source_commit
 from bigconv.world import WORKER_ENV
-from experiments import recorder, registry
-from experiments.recorder import Recorder
+from bigconv.harness import recorder, registry
+from bigconv.harness.recorder import Recorder
 
 
 @dataclass(kw_only=True)
@@ -30,7 +30,7 @@ class Workload:
     """A model, an input size and a few training steps."""
 
     model: str = "cnn2d"
-    """A name in ``experiments.registry.MODELS`` (cnn1d, cnn2d, cnn3d, ...)."""
+    """A name in ``bigconv.harness.registry.MODELS`` (cnn1d, cnn2d, cnn3d, ...)."""
     size: int = 256
     """Edge length of the (square or cubic) input."""
     batch: int = 1
@@ -115,7 +115,7 @@ def train_plain(w: Workload, threads: int, warm: bool = True, recorder: Recorder
 def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
     """The plain run in a fresh process, under the workers' allocator settings so the two compare."""
     env = {**WORKER_ENV, **os.environ}
-    code = ("import json, sys; from experiments.workload import Workload, train_plain; "
+    code = ("import json, sys; from bigconv.harness.workload import Workload, train_plain; "
             "w = Workload(**json.loads(sys.argv[1])); print(json.dumps(train_plain(w, int(sys.argv[2]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(w)), str(threads)], check=True, env=env,
                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -127,7 +127,7 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
     """Train on ``world``; per-worker memory is each worker's peak above its baseline (taken after a
     warm-up step on a tiny input when ``warm``, as for the plain run). ``record`` runs the recorder
     on every worker (utilization, NVML, halo wait); ``budget_bytes`` caps each worker after the warm-up
-    (``experiments.recorder.limit_memory``).
+    (``bigconv.harness.recorder.limit_memory``).
     """
     if warm:
         train_distributed(warmup_workload(w), world, grid=None, warm=False)
