@@ -18,14 +18,18 @@ interrupted study resumes where it stopped.
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import replace
 
+from bigconv import progress
 from bigconv.harness import records
+from bigconv.harness.runner import RunConfig
 from experiments import presets
 from experiments.maxsize import search
-from bigconv.harness.runner import RunConfig
 from experiments.sweep import int_list, parse_amount, plan, run_sweep
 from multidsn.placement import workers_needed
+
+log = logging.getLogger(__name__)
 
 MiB = 2**20
 PLACEMENTS = ("domain", "encoder")
@@ -96,7 +100,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tolerance", type=float, default=0.02, help="relative edge precision of the search")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    progress.add_arguments(parser)
     args = parser.parse_args(argv)
+    progress.setup(args)
     preset = presets.preset("fig7_dsn")
     scale = preset.scale(args.quick)
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
@@ -108,25 +114,30 @@ def main(argv=None) -> None:
     budget = args.budget or scale.budget_bytes
     stem = f"results/{preset.name}{'_quick' if args.quick else ''}"
     common = dict(batch=scale.batch, width=8, depth=3, steps=1, device=device, timeout_s=args.timeout)
-    echo = lambda s: print(s, flush=True)
-    if not args.no_sweep:
-        configs = sweep_configs(args.sizes or scale.sizes, targets, placements, **common)
-        echo(f"memory sweep: {len(configs)} configurations -> {stem}.jsonl")
-        run_sweep(configs, f"{stem}.jsonl", echo=echo)
-        echo("\n".join(spread_table(records.load(f"{stem}.jsonl"))))
-    if not args.no_maxsize:
-        out = f"{stem}_maxsize.jsonl"
-        base = RunConfig(model="dsn", size=min(scale.sizes), workers=0, targets=1,
-                         budget_bytes=budget if device == "cuda" else None, **common)
-        echo(f"largest image within {budget / MiB:.0f} MiB per worker on {device} -> {out}")
-        results, guess = [], min(scale.sizes)
-        for cfg in [base] + distributed(base, targets, placements):
-            echo(f"{case_label(cfg)}:")
-            r = search(cfg, budget, guess, out=out, tolerance=args.tolerance, echo=echo)
-            echo(f"  largest: {r['max_size']} (first failing {r['first_failing_size']})")
-            results.append(r)
-            guess = r["max_size"] or guess
-        echo("\n".join(maxsize_table(results)))
+    with progress.bars_and_logs():
+        if not args.no_sweep:
+            configs = sweep_configs(args.sizes or scale.sizes, targets, placements, **common)
+            log.info("memory sweep: %d configurations -> %s.jsonl", len(configs), stem)
+            with progress.bar(len(configs), "memory sweep", args, unit="config") as pb:
+                run_sweep(configs, f"{stem}.jsonl", echo=log.debug if not pb.disable else log.info, progress=pb)
+            print("\n".join(spread_table(records.load(f"{stem}.jsonl"))), flush=True)
+        if not args.no_maxsize:
+            out = f"{stem}_maxsize.jsonl"
+            base = RunConfig(model="dsn", size=min(scale.sizes), workers=0, targets=1,
+                             budget_bytes=budget if device == "cuda" else None, **common)
+            log.info("largest image within %.0f MiB per worker on %s -> %s", budget / MiB, device, out)
+            results, guess = [], min(scale.sizes)
+            cases = [base] + distributed(base, targets, placements)
+            with progress.bar(len(cases), "size search", args, unit="search") as pb:
+                echo = log.debug if not pb.disable else log.info
+                for cfg in cases:
+                    r = search(cfg, budget, guess, out=out, tolerance=args.tolerance, echo=echo, progress=pb)
+                    log.info("%s: largest %s (first failing %s)", case_label(cfg), r["max_size"],
+                             r["first_failing_size"])
+                    pb.update(1)
+                    results.append(r)
+                    guess = r["max_size"] or guess
+            print("\n".join(maxsize_table(results)), flush=True)
 
 
 if __name__ == "__main__":

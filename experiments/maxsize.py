@@ -18,13 +18,17 @@ holds the answer and its probes. The plain single process (``workers`` 0) is sea
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from dataclasses import asdict, replace
 
+from bigconv import progress
 from bigconv.harness import records, registry
-from experiments import presets
 from bigconv.harness.runner import RunConfig, run_fresh
+from experiments import presets
 from experiments.sweep import int_list, label, parse_amount, summary
+
+log = logging.getLogger(__name__)
 
 MiB = 2**20
 
@@ -52,8 +56,11 @@ def predict(probes: dict[int, dict], budget: int, dims: int) -> float | None:
 
 
 def search(base: RunConfig, budget: int, start: int, *, out: str, tolerance: float = 0.02, max_probes: int = 9,
-           runner=run_fresh, echo=print) -> dict:
-    """Largest fitting edge for ``base.workers``; the ``maxsize`` record (also appended to ``out``)."""
+           runner=run_fresh, echo=print, progress=None) -> dict:
+    """Largest fitting edge for ``base.workers``; the ``maxsize`` record (also appended to ``out``).
+
+    ``progress``: a tqdm bar (or None) whose postfix shows the probe running.
+    """
     spec = registry.spec(base.model)
     q = spec.edge_multiple(base.depth)
     done = records.recorded_keys(out)
@@ -62,6 +69,8 @@ def search(base: RunConfig, budget: int, start: int, *, out: str, tolerance: flo
     for _ in range(max_probes):
         cfg = replace(base, size=size)
         rec = done.get(records.config_key(asdict(cfg)))
+        if progress is not None:
+            progress.set_postfix_str(f"{base.workers} workers, probe {size}", refresh=True)
         if rec is None:
             echo(f"  probe {label(cfg)} ...")
             rec = {**runner(cfg), "purpose": "maxsize"}
@@ -139,7 +148,9 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--tolerance", type=float, default=0.02, help="relative edge precision")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per probe")
+    progress.add_arguments(parser)
     args = parser.parse_args(argv)
+    progress.setup(args)
     scale = presets.preset(args.preset).scale(args.quick) if args.preset else None
     model = presets.preset(args.preset).model if args.preset else args.model
     if model is None:
@@ -157,18 +168,22 @@ def main(argv=None) -> None:
     base = RunConfig(model=model, workers=0, size=spec.round_size(start, args.depth), batch=args.batch or
                      (scale.batch if scale else 1), width=args.width, depth=args.depth, steps=args.steps,
                      device=device, budget_bytes=budget if device == "cuda" else None, timeout_s=args.timeout)
-    print(f"{model}: largest input within {budget / MiB:.0f} MiB per worker on {device}, workers {workers} -> {out}",
-          flush=True)
+    log.info("%s: largest input within %.0f MiB per worker on %s, workers %s -> %s", model, budget / MiB, device,
+             workers, out)
     results, prev = [], None
-    for n in ([] if args.no_plain else [0]) + sorted(set(workers) - {0}):
-        guess = start if prev is None else int(prev["max_size"] * (n / max(1, prev["workers"])) ** (1 / spec.dims))
-        print(f"{'single process' if n == 0 else f'{n} workers'}:", flush=True)
-        r = search(replace(base, workers=n), budget, guess, out=out, tolerance=args.tolerance,
-                   echo=lambda s: print(s, flush=True))
-        print(f"  largest: {r['max_size']} (first failing {r['first_failing_size']})", flush=True)
-        results.append(r)
-        if r["max_size"] and n:
-            prev = r
+    counts = ([] if args.no_plain else [0]) + sorted(set(workers) - {0})
+    with progress.bars_and_logs(), progress.bar(len(counts), "size search", args, unit="search") as pb:
+        echo = log.debug if not pb.disable else log.info
+        for n in counts:
+            guess = start if prev is None else int(prev["max_size"] * (n / max(1, prev["workers"])) ** (1 / spec.dims))
+            r = search(replace(base, workers=n), budget, guess, out=out, tolerance=args.tolerance, echo=echo,
+                       progress=pb)
+            log.info("%s: largest %s (first failing %s)", "single process" if n == 0 else f"{n} workers",
+                     r["max_size"], r["first_failing_size"])
+            pb.update(1)
+            results.append(r)
+            if r["max_size"] and n:
+                prev = r
     print("\n".join(report(results)))
 
 

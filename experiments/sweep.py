@@ -21,9 +21,12 @@ import sys
 import time
 from dataclasses import asdict
 
+from bigconv import progress
 from bigconv.harness import records, registry
-from experiments import presets
 from bigconv.harness.runner import RunConfig, run_fresh
+from experiments import presets
+
+log = logging.getLogger(__name__)
 
 MiB = 2**20
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -77,8 +80,11 @@ def summary(rec: dict) -> str:
 
 
 def run_sweep(configs: list[RunConfig], out: str, *, retry_errors: bool = False, keep_going: bool = False,
-              runner=run_fresh, echo=print) -> list[dict]:
-    """Run the configurations not yet in ``out``; the records written by this call."""
+              runner=run_fresh, echo=print, progress=None) -> list[dict]:
+    """Run the configurations not yet in ``out``; the records written by this call.
+
+    ``progress``: a tqdm bar (or None) advanced per configuration, showing the current one.
+    """
     done = records.recorded_keys(out)
     oom_at: dict[tuple, int] = {}  # (mode, workers) -> smallest size that ran out of memory
     for rec in done.values():
@@ -88,23 +94,34 @@ def run_sweep(configs: list[RunConfig], out: str, *, retry_errors: bool = False,
     written, t0 = [], time.monotonic()
     for i, cfg in enumerate(configs, 1):
         head = f"[{i}/{len(configs)}] {label(cfg)}"
-        key = records.config_key(asdict(cfg))
-        prev = done.get(key)
-        if prev is not None and not (retry_errors and prev["status"] == "error"):
-            echo(f"{head}: already recorded ({prev['status']})")
-            continue
-        if not keep_going and oom_at.get((cfg.model, cfg.workers), float("inf")) < cfg.size:
-            echo(f"{head}: skipped, size {oom_at[(cfg.model, cfg.workers)]} already ran out of memory")
-            continue
-        echo(f"{head} ...")
-        rec = runner(cfg)
-        records.append(out, rec)
-        written.append(rec)
-        done[key] = rec
-        if rec["status"] == "oom":
-            oom_at[(cfg.model, cfg.workers)] = min(oom_at.get((cfg.model, cfg.workers), cfg.size), cfg.size)
-        echo(f"{head}: {summary(rec)} ({rec.get('run_s', 0):.0f}s; {time.monotonic() - t0:.0f}s so far)")
+        if progress is not None:
+            progress.set_postfix_str(label(cfg), refresh=True)
+        _run_one(cfg, head, out, done, oom_at, written, t0, retry_errors, keep_going, runner, echo)
+        if progress is not None:
+            progress.update(1)
     return written
+
+
+def _run_one(cfg, head, out, done, oom_at, written, t0, retry_errors, keep_going, runner, echo) -> None:
+    key = records.config_key(asdict(cfg))
+    prev = done.get(key)
+    if prev is not None and not (retry_errors and prev["status"] == "error"):
+        echo(f"{head}: already recorded ({prev['status']})")
+        return
+    if not keep_going and oom_at.get((cfg.model, cfg.workers), float("inf")) < cfg.size:
+        echo(f"{head}: skipped, size {oom_at[(cfg.model, cfg.workers)]} already ran out of memory")
+        return
+    echo(f"{head} ...")
+    rec = runner(cfg)
+    records.append(out, rec)
+    written.append(rec)
+    done[key] = rec
+    if rec["status"] == "oom":
+        oom_at[(cfg.model, cfg.workers)] = min(oom_at.get((cfg.model, cfg.workers), cfg.size), cfg.size)
+    line = f"{head}: {summary(rec)} ({rec.get('run_s', 0):.0f}s; {time.monotonic() - t0:.0f}s so far)"
+    if rec["status"] == "error":
+        log.warning(line)
+    echo(line)
 
 
 def main(argv=None) -> None:
@@ -130,8 +147,9 @@ def main(argv=None) -> None:
     parser.add_argument("--no-record", action="store_true", help="recorder off (memory peaks only)")
     parser.add_argument("--retry-errors", action="store_true", help="rerun configurations recorded as error")
     parser.add_argument("--keep-going", action="store_true", help="run larger sizes after an oom too")
+    progress.add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    progress.setup(args)
     if args.preset:
         p = presets.preset(args.preset)
         scale = p.scale(args.quick)
@@ -153,9 +171,10 @@ def main(argv=None) -> None:
                    width=args.width or (8 if model == "dsn" else 16), depth=args.depth,
                    dtype=args.dtype, steps=args.steps, device=device, budget_bytes=args.budget,
                    record=not args.no_record, timeout_s=args.timeout)
-    print(f"{len(configs)} configurations -> {out}", flush=True)
-    written = run_sweep(configs, out, retry_errors=args.retry_errors, keep_going=args.keep_going,
-                        echo=lambda s: print(s, flush=True))
+    log.info("%d configurations -> %s", len(configs), out)
+    with progress.bars_and_logs(), progress.bar(len(configs), "sweep", args, unit="config") as pb:
+        written = run_sweep(configs, out, retry_errors=args.retry_errors, keep_going=args.keep_going,
+                            echo=log.debug if pb.disable is False else log.info, progress=pb)
     bad = [r for r in written if r["status"] == "error"]
     print(f"done: {len(written)} new records ({len(bad)} errors) in {out}")
     sys.exit(1 if bad else 0)

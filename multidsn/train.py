@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from bigconv import progress
+
 from .config import DSNConfig
 from .data import Domain, Sampler, load_folder_domains, procedural_domains, standardized
 from .evaluation import accuracy, private_code_report
@@ -83,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "2-core host with the default of one thread per core")
     p.add_argument("--out", default="results/multidsn_train.jsonl")
     p.add_argument("--log-every", type=int, default=100)
+    progress.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -124,15 +127,21 @@ def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: l
             model.optimizer(torch.optim.Adam, lr=args.lr or 1e-3)
         sampler = Sampler(source, targets, args.batch_size, seed=args.seed)
         start, history = time.perf_counter(), []
-        for step in range(args.steps):
-            terms = model.train_step_terms(next(sampler))
-            if step % args.log_every == 0 or step == args.steps - 1:
-                record = {"step": step, **terms.record()}
-                history.append(record)
-                rate = (step + 1) / (time.perf_counter() - start)
-                log.info("%s %5d/%d  loss %.4f  task %.4f  sim %s  %.1f steps/s", name, step + 1, args.steps,
-                         record["loss"], record["task"],
-                         "-" if record["similarity"] is None else f"{record['similarity']:.4f}", rate)
+        with progress.bar(args.steps, f"{name} (seed {args.seed})", args, unit="step") as pb:
+            # On a terminal the bar shows progress and the step lines are --verbose only; in a log file
+            # (no bar) they are the progress.
+            level = logging.DEBUG if not pb.disable else logging.INFO
+            for step in range(args.steps):
+                terms = model.train_step_terms(next(sampler))
+                pb.update(1)
+                if step % args.log_every == 0 or step == args.steps - 1:
+                    record = {"step": step, **terms.record()}
+                    history.append(record)
+                    pb.set_postfix(loss=f"{record['loss']:.4f}", task=f"{record['task']:.4f}", refresh=False)
+                    rate = (step + 1) / (time.perf_counter() - start)
+                    log.log(level, "%s %5d/%d  loss %.4f  task %.4f  sim %s  %.1f steps/s", name, step + 1,
+                            args.steps, record["loss"], record["task"],
+                            "-" if record["similarity"] is None else f"{record['similarity']:.4f}", rate)
         train_s = time.perf_counter() - start
         result = {"model": name, "train_s": round(train_s, 3), "step_s": round(train_s / args.steps, 5),
                   "source_accuracy": accuracy(model, source, 0),
@@ -164,8 +173,8 @@ def task_only(cfg: DSNConfig, steps: int) -> DSNConfig:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     args = parse_args(argv)
+    progress.setup(args, fmt="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = model_config(args)
     baseline_cfg = task_only(cfg, args.steps)
@@ -179,6 +188,16 @@ def main(argv: list[str] | None = None) -> dict:
 
         world = bigconv.World(workers=args.workers or workers_needed(args.targets, args.placement, args.head))
     runs = []
+    with progress.bars_and_logs():
+        _train_seeds(args, seeds, data, cfg, baseline_cfg, world, runs)
+    summary = summarize(args, cfg, runs, sys.argv[1:] if argv is None else argv)
+    write(args.out, [summary])
+    log.info("wrote %s", args.out)
+    print(report(summary, runs))
+    return summary
+
+
+def _train_seeds(args, seeds, data, cfg, baseline_cfg, world, runs: list) -> None:
     try:
         for seed in seeds:
             seed_args = _with_seed(args, seed)
@@ -194,11 +213,6 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if world is not None:
             world.close()
-    summary = summarize(args, cfg, runs, sys.argv[1:] if argv is None else argv)
-    write(args.out, [summary])
-    log.info("wrote %s", args.out)
-    print(report(summary, runs))
-    return summary
 
 
 def _with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:

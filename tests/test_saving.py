@@ -1,7 +1,13 @@
 """Checkpoint and resume: a preempted run continues as if it had never stopped.
 
-3 steps equal 1 step, save, a new World, load, 2 steps: bit for bit on the same worker count,
-to rounding on another, and a plain model and optimizer continue from the same file exactly.
+What a new World restores from a file is bit for bit what was saved (weights, buffers, optimizer
+state, step count). 3 steps then equal 1 step, save, a new World, load, 2 steps, to 1e-12 on the
+same or another worker count, and a plain model and optimizer continue from the same file exactly.
+
+Why not bit for bit after the 2 steps as well: distributed autograd runs a worker's backward on
+whichever RPC threads deliver its gradients, so on a loaded host the order in which two gradient
+contributions are added can change from run to run, and with it a last bit (seen once in 15 steps
+of the same uninterrupted run under a CPU burner; never on an idle host).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch.nn as nn
 
 import bigconv
 from bigconv import saving
-from bigconv.models import CNN2D, CNN1D
+from bigconv.models import CNN1D, CNN2D
 
 TOL = 1e-12
 
@@ -45,6 +51,16 @@ def rel(a: dict, b: dict) -> float:
                for k in b if b[k].is_floating_point())
 
 
+def _bitwise_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_bitwise_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def fresh(world, grid=None):
     net = bigconv.parallelize(make_model(seed=99), world, grid=grid)  # load must overwrite every weight
     net.optimizer(torch.optim.Adam, lr=0.01, betas=(0.8, 0.9))
@@ -66,15 +82,19 @@ def test_resume_equals_uninterrupted_training(world_manager, tmp_path):
     train(first, data[:1])
     path = first.save(tmp_path / "ck.pt")
     assert os.listdir(tmp_path) == ["ck.pt"]  # no temporary file left behind
+    assert _bitwise_equal(torch.load(path, weights_only=True)["model"], first.state_dict())
 
     world_manager.close()  # the job is preempted
     world = world_manager.get(2)
     again = fresh(world, grid=(2, 1))
     again.load(path)
     assert again.steps == 1
+    saved, restored = torch.load(path, weights_only=True), torch.load(again.save(tmp_path / "again.pt"),
+                                                                      weights_only=True)
+    assert _bitwise_equal(saved["model"], restored["model"]) and _bitwise_equal(saved["optimizer"],
+                                                                                restored["optimizer"])
     train(again, data[1:])
-    got = again.state_dict()
-    assert all(torch.equal(got[k], want[k]) for k in want), "resume on the same worker count is not bit-identical"
+    assert rel(again.state_dict(), want) <= TOL
 
     world = world_manager.get(4)
     other = fresh(world, grid=(2, 2))
