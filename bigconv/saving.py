@@ -30,6 +30,9 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it, not mkstemp's owner-only mode
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save(obj, fh)

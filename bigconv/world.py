@@ -451,7 +451,11 @@ class World:
     def __enter__(self) -> "World":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            # Ctrl-C or SystemExit in the middle of a step: the workers may be inside a forward or an
+            # allreduce that will never finish, so a goodbye would wait for its timeout. Stop them now.
+            self.broken = self.broken or f"interrupted by {exc_type.__name__}"
         self.close()
 
     def __repr__(self) -> str:

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from bigconv import World
+from bigconv import World, saving
 
 from . import remote
 from .batch import Batch
@@ -59,6 +59,9 @@ class DistributedDSN:
         self.has_optimizer = False
         self._calls = itertools.count(1)
         self._names = list(dsn.state_dict())
+        self._meta_state = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in dsn.state_dict().items()}
+        self._param_names = [n for n, _ in dsn.named_parameters()]
+        self.optimizer_class: str | None = None
         modules = dict(dsn.named_modules())
         dumps = (cloudpickle or pickle).dumps
         args = []
@@ -81,6 +84,7 @@ class DistributedDSN:
             raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
         self._all(remote.make_optimizer, lambda w: (self.id, cls, kwargs), "creating the optimizer")
         self.has_optimizer = True
+        self.optimizer_class = saving.class_name(cls)
 
     def train_step(self, batch: Batch) -> float:
         """One forward, backward and optimizer step; returns the loss. Steps are counted from 0."""
@@ -198,6 +202,43 @@ class DistributedDSN:
         """Each used worker's own weights (replicas included), in worker order, to check they agree."""
         futures = [launch(self.world, w, remote.state_dict, self.id) for w in self.workers]
         return wait_named(self.world, futures, "reading weights")
+
+    def save(self, path, extra: dict | None = None) -> str:
+        """One atomic file in the single-process layout: ``DSN.load_state_dict(ck["model"])`` and a plain
+        optimizer over ``dsn.parameters()`` take ``ck["optimizer"]`` (see ``bigconv.saving``)."""
+        parts = self._all(remote.checkpoint_state, lambda w: (self.id,), "saving a checkpoint")
+        model: dict = {}
+        for part in parts:
+            for k, v in part["model"].items():
+                model.setdefault(k, v)
+        optimizer = None
+        if parts[0]["optimizer"] is not None:
+            state: dict = {}
+            for part in parts:  # the first holder of a replicated parameter; replicas are equal
+                for name, st in part["optimizer"]["state"].items():
+                    state.setdefault(self._param_names.index(name), st)
+            optimizer = {"state": dict(sorted(state.items())),
+                         "param_groups": [{**parts[0]["optimizer"]["group"],
+                                           "params": list(range(len(self._param_names)))}]}
+        ck = {"format": saving.FORMAT, "version": saving.VERSION, "model": {k: model[k] for k in self._names},
+              "optimizer": optimizer, "optimizer_class": self.optimizer_class, "step": self.steps,
+              "rng": {"driver": torch.get_rng_state(), "workers": []}, "workers": self.world.workers,
+              "extra": extra or {}}
+        return saving.atomic_save(ck, path)
+
+    def load(self, path) -> dict:
+        """Restore what ``save`` (or a single-process ``LocalDSN.save``) wrote; returns the file's
+        ``extra``. Every check runs before any worker changes."""
+        path = str(path)
+        ck = saving.read(path)
+        saving.check_model_state(ck["model"], self._meta_state, path)
+        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"), [len(self._param_names)],
+                                     self.optimizer_class, path)
+        self._all(remote.load_checkpoint, lambda w: (self.id, ck["model"], ck.get("optimizer"), self._param_names),
+                  "loading a checkpoint")
+        self.steps = int(ck.get("step", 0))
+        torch.set_rng_state(ck["rng"]["driver"])
+        return ck.get("extra", {})
 
     def close(self) -> None:
         """Free this model's parts on the workers (the World stays up for other models)."""

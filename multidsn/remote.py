@@ -166,6 +166,45 @@ def classify(model_id: int, shared_codes: torch.Tensor) -> torch.Tensor:
         return p.module("classifier")(shared_codes.to(p.device)).cpu()
 
 
+def named_parameters(p: WorkerPart) -> list[tuple[str, nn.Parameter]]:
+    """This part's parameters under their ``DSN`` names, in the order its optimizer holds them."""
+    return [(f"{name}.{k}", v) for name in sorted(p.modules) for k, v in p.modules[name].named_parameters()]
+
+
+def checkpoint_state(model_id: int) -> dict:
+    """Weights, and optimizer state by parameter name (the driver renumbers it as one optimizer would)."""
+    p = part(model_id)
+    out = {"model": state_dict(model_id), "optimizer": None}
+    if p.optimizer is not None:
+        sd = p.optimizer.state_dict()
+        names = [n for n, _ in named_parameters(p)]
+        hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
+        out["optimizer"] = {"state": {names[i]: _cpu(st) for i, st in sd["state"].items()}, "group": hyper}
+    return out
+
+
+def load_checkpoint(model_id: int, model_state: dict, optimizer_state: dict | None, param_names: list[str]) -> None:
+    """Take this part's weights and optimizer state out of a single-process checkpoint."""
+    p = part(model_id)
+    for name in sorted(p.modules):
+        prefix = name + "."
+        p.modules[name].load_state_dict({k[len(prefix):]: v for k, v in model_state.items() if k.startswith(prefix)})
+    if optimizer_state is not None:
+        index = {n: i for i, n in enumerate(param_names)}
+        local = [index[n] for n, _ in named_parameters(p)]
+        group = {k: v for k, v in optimizer_state["param_groups"][0].items() if k != "params"}
+        state = {j: optimizer_state["state"][i] for j, i in enumerate(local) if i in optimizer_state["state"]}
+        p.optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(local)))}]})
+
+
+def _cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    return obj
+
+
 def make_optimizer(model_id: int, cls, kwargs: dict) -> None:
     p = part(model_id)
     p.optimizer = cls(p.parameters(), **kwargs)

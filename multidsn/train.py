@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import sys
 import time
 
 import torch
 
-from bigconv import progress
+from bigconv import progress, saving
 
 from .config import DSNConfig
 from .data import Domain, Sampler, load_folder_domains, procedural_domains, standardized
@@ -85,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "2-core host with the default of one thread per core")
     p.add_argument("--out", default="results/multidsn_train.jsonl")
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint file (default: --out with .ckpt.pt); written atomically, removed when the run ends")
+    p.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints (0: none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from --checkpoint (same arguments otherwise); seeds already "
+                        "finished are not trained or written again")
     progress.add_arguments(p)
     return p.parse_args(argv)
 
@@ -117,7 +124,10 @@ def load_data(args) -> tuple[Domain, list[Domain]]:
     return source, targets
 
 
-def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: list[Domain]) -> dict:
+def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: list[Domain],
+              saved: dict | None = None, keep: dict | None = None) -> dict:
+    """Train one model; ``saved``: the checkpoint's ``extra`` when this very run is being resumed;
+    ``keep``: what every checkpoint of this run must also remember (finished runs)."""
     torch.manual_seed(args.seed)
     model = make_trainer(DSN(cfg), world, args.placement, args.decoder, args.head)
     try:
@@ -126,23 +136,34 @@ def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: l
         else:
             model.optimizer(torch.optim.Adam, lr=args.lr or 1e-3)
         sampler = Sampler(source, targets, args.batch_size, seed=args.seed)
-        start, history = time.perf_counter(), []
+        start, history, spent, first = time.perf_counter(), [], 0.0, 0
+        if saved is not None:
+            model.load(args.checkpoint)
+            sampler.gen.set_state(saved["sampler"])
+            history, spent, first = saved["history"], saved["train_s"], model.steps
+            log.info("%s (seed %d): resumed at step %d from %s", name, args.seed, first, args.checkpoint)
         with progress.bar(args.steps, f"{name} (seed {args.seed})", args, unit="step") as pb:
+            pb.update(first)
             # On a terminal the bar shows progress and the step lines are --verbose only; in a log file
             # (no bar) they are the progress.
             level = logging.DEBUG if not pb.disable else logging.INFO
-            for step in range(args.steps):
+            for step in range(first, args.steps):
                 terms = model.train_step_terms(next(sampler))
                 pb.update(1)
                 if step % args.log_every == 0 or step == args.steps - 1:
                     record = {"step": step, **terms.record()}
                     history.append(record)
                     pb.set_postfix(loss=f"{record['loss']:.4f}", task=f"{record['task']:.4f}", refresh=False)
-                    rate = (step + 1) / (time.perf_counter() - start)
+                    rate = (step + 1 - first) / (time.perf_counter() - start)
                     log.log(level, "%s %5d/%d  loss %.4f  task %.4f  sim %s  %.1f steps/s", name, step + 1,
                             args.steps, record["loss"], record["task"],
                             "-" if record["similarity"] is None else f"{record['similarity']:.4f}", rate)
-        train_s = time.perf_counter() - start
+                if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+                    model.save(args.checkpoint, extra={
+                        **(keep or {}), "seed": args.seed, "model": name, "history": history,
+                        "sampler": sampler.gen.get_state(), "train_s": spent + time.perf_counter() - start,
+                        "config": _fingerprint(args)})
+        train_s = spent + time.perf_counter() - start
         result = {"model": name, "train_s": round(train_s, 3), "step_s": round(train_s / args.steps, 5),
                   "source_accuracy": accuracy(model, source, 0),
                   "target_accuracy": {t.name: accuracy(model, t, d + 1) for d, t in enumerate(targets)},
@@ -174,6 +195,7 @@ def task_only(cfg: DSNConfig, steps: int) -> DSNConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    args.checkpoint = args.checkpoint or os.path.splitext(args.out)[0] + ".ckpt.pt"
     progress.setup(args, fmt="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     cfg = model_config(args)
@@ -198,21 +220,68 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _train_seeds(args, seeds, data, cfg, baseline_cfg, world, runs: list) -> None:
+    saved = _resumable(args)
+    if saved is not None:
+        runs.extend(saved["runs"])
     try:
         for seed in seeds:
+            if any(r["seed"] == seed for r in runs):  # finished before the interruption; its lines are written
+                continue
             seed_args = _with_seed(args, seed)
             source, targets = data[seed]
             log.info("seed %d data: source %s (%d train), targets %s; %s", seed, source.name, len(source.train_x),
                      [t.name for t in targets], world or "single process")
-            run = {"seed": seed, "dsn": train_one("dsn", cfg, seed_args, world, source, targets), "source_only": None}
+            here = saved if saved is not None and saved["seed"] == seed else None
+            if here is not None and here["model"] == "source_only":
+                dsn = here["dsn_result"]
+            else:
+                dsn = train_one("dsn", cfg, seed_args, world, source, targets, here, keep={"runs": runs})
+            run = {"seed": seed, "dsn": dsn, "source_only": None}
             if not args.skip_baseline:
-                run["source_only"] = train_one("source_only", baseline_cfg, seed_args, world, source, targets)
+                mine = here if here is not None and here["model"] == "source_only" else None
+                run["source_only"] = train_one("source_only", baseline_cfg, seed_args, world, source, targets, mine,
+                                               keep={"runs": runs, "dsn_result": dsn})
             runs.append(run)
             # each seed's lines as soon as its models finish: a stopped run keeps them
             write(args.out, [{"seed": seed, **run[m]} for m in ("dsn", "source_only") if run[m] is not None])
+            if args.checkpoint_every:  # the finished seeds, for a resume that comes before the next checkpoint
+                _mark_seed_done(args, runs)
     finally:
         if world is not None:
             world.close()
+    if args.checkpoint_every and os.path.exists(args.checkpoint):
+        os.unlink(args.checkpoint)  # the run is complete: nothing to resume
+
+
+def _fingerprint(args) -> dict:
+    """What a resumed run must share with the interrupted one."""
+    skip = {"resume", "checkpoint", "checkpoint_every", "quiet", "verbose", "log_every", "threads", "workers", "seed"}
+    return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in sorted(vars(args).items())
+            if k not in skip}
+
+
+def _resumable(args) -> dict | None:
+    """The checkpoint's ``extra`` to resume from, after checking it belongs to this command line."""
+    if not args.resume:
+        return None
+    if not os.path.exists(args.checkpoint):
+        log.warning("--resume: no checkpoint at %s; starting from the beginning", args.checkpoint)
+        return None
+    extra = saving.read(args.checkpoint).get("extra", {})
+    if extra.get("config") != _fingerprint(args):
+        theirs, ours = extra.get("config", {}), _fingerprint(args)
+        diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise SystemExit(f"--resume: {args.checkpoint} was written by another command line (differs in "
+                         f"{', '.join('--' + k.replace('_', '-') for k in diff)}); rerun it with the same arguments")
+    return extra
+
+
+def _mark_seed_done(args, runs: list) -> None:
+    """A checkpoint that says: these seeds are done, the next starts from scratch."""
+    saving.atomic_save({"format": saving.FORMAT, "version": saving.VERSION, "model": {}, "optimizer": None,
+                        "step": 0, "rng": {"driver": torch.get_rng_state(), "workers": []},
+                        "extra": {"runs": runs, "seed": None, "model": None, "config": _fingerprint(args)}},
+                       args.checkpoint)
 
 
 def _with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from bigconv import saving
+
 from .batch import Batch
 from .model import DSN, LossTerms
 from .parallel import DistributedDSN, parallelize
@@ -41,6 +43,29 @@ class LocalDSN:
 
     def state_dict(self) -> dict:
         return self.dsn.state_dict()
+
+    def save(self, path, extra: dict | None = None) -> str:
+        """The same file ``DistributedDSN.save`` writes, so a run can move between placements."""
+        ck = {"format": saving.FORMAT, "version": saving.VERSION, "model": self.dsn.state_dict(),
+              "optimizer": self.opt.state_dict() if self.opt is not None else None,
+              "optimizer_class": saving.class_name(type(self.opt)) if self.opt is not None else None,
+              "step": self.steps, "rng": {"driver": torch.get_rng_state(), "workers": []}, "workers": 0,
+              "extra": extra or {}}
+        return saving.atomic_save(ck, path)
+
+    def load(self, path) -> dict:
+        path = str(path)
+        ck = saving.read(path)
+        saving.check_model_state(ck["model"], self.dsn.state_dict(), path)
+        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"),
+                                     [len(list(self.dsn.parameters()))],
+                                     saving.class_name(type(self.opt)) if self.opt is not None else None, path)
+        self.dsn.load_state_dict(ck["model"])
+        if ck.get("optimizer") is not None:
+            self.opt.load_state_dict(ck["optimizer"])
+        self.steps = int(ck.get("step", 0))
+        torch.set_rng_state(ck["rng"]["driver"])
+        return ck.get("extra", {})
 
     def close(self) -> None:
         pass

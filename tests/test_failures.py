@@ -112,3 +112,22 @@ def test_from_env_world_trains_exactly(exclusive):
         for p in ranks:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scenario", ["driver_int", "driver_kill", "worker_kill_allreduce"])
+def test_faults_leave_no_process_and_no_lost_record(exclusive, tmp_path, scenario):
+    """experiments.faults end to end: Ctrl-C or kill -9 of the driver mid-training, or a worker dying
+    inside the gradient allreduce, ends every process of the world within seconds and keeps every
+    step record already written."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "faults.jsonl"
+    subprocess.run([sys.executable, "-m", "experiments.faults", "--only", scenario, "--out", str(out)],
+                   check=True, capture_output=True, timeout=220)
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["seconds_to_error"] is not None and rec["seconds_to_error"] < 20, rec
+    assert rec["processes_left_after_60s"] == 0 and rec["records_lost"] == 0 and rec["steps_reported"] >= 2, rec

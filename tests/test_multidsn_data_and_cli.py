@@ -141,3 +141,38 @@ def test_target_only_bound_trains_on_the_targets_labels(tmp_path):
     assert [r["shift"] for r in lines] == ["noise", "invert"] and lines == json.loads(json.dumps(records))
     # inverted digits are unreadable to a model of the source (about 10%); one trained on their labels reads them
     assert lines[1]["target_accuracy"] > 0.3
+
+
+@pytest.mark.timeout(240)
+def test_train_killed_and_resumed_writes_what_an_uninterrupted_run_writes(tmp_path):
+    """kill -9 in seed 1's DSN, then --resume: seed 0's lines are kept and not written again, seed 1
+    restarts from its last checkpoint, and every line equals the uninterrupted run's."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [sys.executable, "-m", "multidsn.train", "--placement", "single", "--steps", "300", "--seeds", "0,1",
+            "--batch-size", "8", "--image-size", "16", "--width", "4", "--log-every", "100",
+            "--checkpoint-every", "50"]
+    subprocess.run(args + ["--out", str(tmp_path / "full.jsonl")], check=True, capture_output=True, timeout=200)
+    cut = tmp_path / "cut.jsonl"
+    proc = subprocess.Popen(args + ["--out", str(cut)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seed1 = False
+    for line in proc.stderr:  # no terminal: a log line every 100 steps, after the checkpoints at 50 and 100
+        seed1 = seed1 or "seed 1 data" in line
+        if seed1 and "dsn   101/300" in line:
+            break
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpt = tmp_path / "cut.ckpt.pt"
+    assert ckpt.exists() and len(cut.read_text().splitlines()) == 2  # seed 0's two models, nothing more
+    resumed = subprocess.run(args + ["--out", str(cut), "--resume"], capture_output=True, text=True, timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "dsn (seed 1): resumed at step" in resumed.stderr and not ckpt.exists()
+    full = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
+    got = [json.loads(line) for line in cut.read_text().splitlines()]
+    keys = ("model", "seed", "source_accuracy", "target_accuracy", "history", "private_codes")
+    assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in full]
