@@ -71,6 +71,9 @@ def drive(scenario: str, log_path: str, timeout: float, steps: int) -> None:
     import bigconv
     from bigconv.models import CNN2D
 
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler: restore it, as for a user at a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with bigconv.World(workers=2, timeout=timeout) as world:
         print("READY " + json.dumps({"driver": os.getpid(), "workers": [p.pid for p in world._procs]}), flush=True)
         net = bigconv.parallelize(CNN2D(1, 2), world, grid=(2, 1))
