@@ -357,6 +357,7 @@ class World:
         """
         deadline = time.monotonic() + 1.1 * self.timeout + 1.0
         pause = 0.0005
+        self._waiting = True  # stays set if anything (Ctrl-C included) escapes this wait
         while True:
             dead = self.dead_workers()
             if dead:
@@ -379,7 +380,9 @@ class World:
                             self.broken = message
                         raise WorkerFailure(message) from exc
             if all(f.done() for _, f in futures):
-                return [f.wait() for _, f in futures]
+                results = [f.wait() for _, f in futures]
+                self._waiting = False
+                return results
             if time.monotonic() > deadline:
                 late = sorted({n for n, f in futures if not f.done()})
                 self.broken = f"{', '.join(late)} did not finish {what} within {self.timeout:g}s"
@@ -406,7 +409,9 @@ class World:
         if self._closed:
             return
         self._closed = self._closing = True
-        healthy = not self.broken and not self.dead_workers()
+        # Left in the middle of a wait (Ctrl-C, or any error raised into it): the workers may be inside
+        # a forward or an allreduce that will never finish, and a goodbye would wait for its timeout.
+        healthy = not self.broken and not self.dead_workers() and not getattr(self, "_waiting", False)
         try:
             if healthy and self._release_workers():
                 with expected_shutdown_noise_hidden():
@@ -451,11 +456,7 @@ class World:
     def __enter__(self) -> "World":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and not issubclass(exc_type, Exception):
-            # Ctrl-C or SystemExit in the middle of a step: the workers may be inside a forward or an
-            # allreduce that will never finish, so a goodbye would wait for its timeout. Stop them now.
-            self.broken = self.broken or f"interrupted by {exc_type.__name__}"
+    def __exit__(self, *exc_info) -> None:
         self.close()
 
     def __repr__(self) -> str:
