@@ -24,8 +24,13 @@ def check_input(x, check_finite: bool) -> None:
         raise ValueError(f"x holds {bad} NaN or infinite values; clean the input (check_finite=True found them)")
 
 
-def check_target(x: torch.Tensor, y, loss_fn: Callable, out_shape: tuple[int, ...]) -> None:
-    """``y`` and ``loss_fn`` against the model's output shape ``out_shape`` (from the dry run)."""
+def check_target(x, y, loss_fn: Callable, out_shape: tuple[int, ...]) -> None:
+    """``y`` and ``loss_fn`` against the model's output shape ``out_shape`` (from the dry run); ``x``
+    is a tensor or a list of image sources."""
+    if isinstance(x, (list, tuple)):
+        from .data.sources import SourceBatch
+
+        x = SourceBatch(x)
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
     if not isinstance(y, torch.Tensor):

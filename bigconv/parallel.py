@@ -17,6 +17,7 @@ import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 from . import checks, losses, saving, worker
+from .data.sources import ShardRead, SourceBatch, is_source_batch
 from .dry_run import dry_run, meta_copy
 from .executors import join_shards, split_shards
 from .geometry import choose_grid, shard_box, all_coords, validate_grid
@@ -83,8 +84,13 @@ class ParallelModel:
         world.call(worker.install, [(self.id, payload)] * world.workers, "installing the model")
 
     # -- planning (driver only, before remote work) ---------------------------------------------
-    def plan(self, x: torch.Tensor) -> Plan:
-        checks.check_input(x, self.check_finite)
+    def plan(self, x) -> Plan:
+        """``x``: the batch as a tensor (N, C, *spatial), or as a list of image sources
+        (``bigconv.data``), one per item, of which each worker reads only its own box."""
+        if is_source_batch(x):
+            x = SourceBatch(x)
+        else:
+            checks.check_input(x, self.check_finite)
         key = (tuple(x.shape), x.dtype, self.training)
         if key not in self._plans:
             self._plans[key] = self._make_plan(x)
@@ -180,7 +186,11 @@ class ParallelModel:
 
     def _shard_args(self, plan: Plan, x, loss_fn, y, grad: bool) -> list[tuple]:
         call = next(self._calls)
-        xs = split_shards(x.detach(), plan.grid)
+        if is_source_batch(x):
+            sources = tuple(x)
+            xs = [ShardRead(sources, shard_box(plan.in_shape, plan.grid, c)) for c in all_coords(plan.grid)]
+        else:
+            xs = split_shards(x.detach(), plan.grid)
         ys = [None] * len(xs)
         if y is not None:
             lead = (slice(None),) * (y.dim() - len(plan.grid))

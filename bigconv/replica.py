@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
 from . import losses, transport
+from .data.sources import ShardRead
 from .executors import ShardExecutor
 from .sharding import ModulePath, ShardMode, global_shape, mark
 
@@ -64,6 +65,8 @@ class Replica:
         """Run this shard; return the output shard, the replicated output, or (num, den) of the loss."""
         self.rt.mailbox.drop_calls_before(call)
         self.path.stack.clear()
+        if isinstance(x, ShardRead):  # this worker's box, read from the file here
+            x = x.read()
         x = mark(x.to(self.rt.device), shape)
         if grad == "input":  # keep the input shard as a leaf, to read its gradient afterwards
             self.last_input = x.requires_grad_(True)

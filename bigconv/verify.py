@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .data.sources import SourceBatch
 from .parallel import parallelize
 from .world import World
 
@@ -33,17 +34,22 @@ def _scale(t: torch.Tensor) -> float:
 def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                      grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
                      **opt_kwargs) -> dict:
-    """Errors of the distributed forward, losses and weights after ``steps`` optimizer steps."""
+    """Errors of the distributed forward, losses and weights after ``steps`` optimizer steps.
+
+    ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
+    single process gets the same pixels read whole.
+    """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
     reference = copy.deepcopy(model)
     net = parallelize(model, world, grid=grid)
     out = net(x)
     with torch.no_grad():
-        ref_out = reference(x)
+        ref_out = reference(xt)
     # Gradients before any step. Both sides run a training forward here, so buffers such as
     # running statistics advance alike.
     _, input_grad, param_grads = net.gradients(x, y, loss_fn)
-    xr = x.detach().clone().requires_grad_(True)
+    xr = xt.detach().clone().requires_grad_(True)
     loss_fn(reference(xr), y).backward()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
     reference.zero_grad(set_to_none=True)
@@ -53,7 +59,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     for _ in range(steps):
         losses.append(net.train_step(x, y, loss_fn))
         ref_opt.zero_grad()
-        loss = loss_fn(reference(x), y)
+        loss = loss_fn(reference(xt), y)
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())

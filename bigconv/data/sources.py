@@ -1,0 +1,177 @@
+"""Image sources: a path, a level and a conversion, small enough to send to every worker.
+
+A worker given a source reads only its own box of it, in the stored dtype (uint8 for slides), and
+converts on its side: dtype, scale (e.g. 1/255), per-channel mean and std. Nothing the size of the
+image passes through the driver. Reads outside the image come back as ``fill`` (255: white glass).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import readers
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image at one level; see ``open_image``."""
+
+    path: str
+    format: str
+    level: int
+    shape: tuple[int, ...]
+    """(C, *spatial) at this level."""
+    stored_dtype: str
+    dtype: str = "float32"
+    """What the model receives."""
+    scale: float | None = None
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    fill: float = 0
+    key: str | None = None
+    channels_last: bool = False
+    axes: str | None = None
+    mpp: float | None = None
+    levels: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    """Every level's (C, *spatial), for choosing another one (``at_level``)."""
+
+    @property
+    def spatial(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def read(self, box: Box | None = None) -> np.ndarray:
+        """The stored values of ``box`` (one (start, stop) per spatial dim; None: all), channels first;
+        positions outside the image are ``fill``."""
+        box = tuple((0, n) for n in self.spatial) if box is None else tuple(tuple(b) for b in box)
+        if len(box) != len(self.spatial):
+            raise ValueError(f"a box needs {len(self.spatial)} (start, stop) pairs for {self}, got {box}")
+        inside = tuple((max(a, 0), min(b, n)) for (a, b), n in zip(box, self.spatial))
+        out_shape = (self.shape[0], *(b - a for a, b in box))
+        if any(b <= a for a, b in inside):
+            return np.full(out_shape, self.fill, dtype=self.stored_dtype)
+        h = readers.handle(self.format, self.path, self.level, self.key)
+        data = readers.read_inside(self.format, h, inside, self.level, self.channels_last, self.axes)
+        if inside == box:
+            return data
+        out = np.full(out_shape, self.fill, dtype=data.dtype)
+        out[(slice(None),) + tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box))] = data
+        return out
+
+    def tensor(self, box: Box | None = None) -> torch.Tensor:
+        """``read(box)`` converted as declared: dtype, then scale, then (x - mean) / std per channel."""
+        data = self.read(box)
+        if not data.flags.writeable:  # a memmap's view: torch wants memory it may own
+            data = data.copy()
+        x = torch.from_numpy(np.ascontiguousarray(data)).to(self.torch_dtype)
+        if self.scale is not None:
+            x = x * self.scale
+        view = (-1,) + (1,) * len(self.spatial)
+        if self.mean is not None:
+            x = x - torch.tensor(self.mean, dtype=x.dtype).view(view)
+        if self.std is not None:
+            x = x / torch.tensor(self.std, dtype=x.dtype).view(view)
+        return x
+
+
+def open_image(path: str | os.PathLike, level: int | None = None, *, mpp: float | None = None,
+               format: str | None = None, dtype: str | torch.dtype = "float32", scale: float | None = None,
+               mean: Sequence[float] | None = None, std: Sequence[float] | None = None, fill: float = 0,
+               key: str | None = None, channels_last: bool | None = None) -> ImageSource:
+    """A source for one image: ``level`` by index (default 0), or the level nearest ``mpp`` microns
+    per pixel. Reads only headers. ``channels_last``: how a plain array (npy, zarr) stores channels
+    (None: HWC only when the last axis has at most 4 entries and the first more)."""
+    path = os.fspath(path)
+    fmt = format or readers.guess_format(path)
+    infos = readers.levels(fmt, path, key, channels_last)
+    index = _choose_level(infos, level, mpp, path)
+    info = infos[index]
+    dtype_name = _float_dtype(dtype)
+    channels = info.shape[0]
+    for name, values in (("mean", mean), ("std", std)):
+        if values is not None and len(values) not in (1, channels):
+            raise ValueError(f"{name} has {len(values)} values but {path!r} has {channels} channels; give one per "
+                             "channel (or one for all)")
+    return ImageSource(path=os.path.abspath(path), format=fmt, level=index, shape=tuple(info.shape),
+                       stored_dtype=info.dtype, dtype=dtype_name, scale=scale,
+                       mean=tuple(float(v) for v in mean) if mean is not None else None,
+                       std=tuple(float(v) for v in std) if std is not None else None, fill=fill, key=key,
+                       channels_last=info.channels_last, axes=info.axes, mpp=info.mpp,
+                       levels=tuple(tuple(i.shape) for i in infos))
+
+
+def _choose_level(infos: list, level: int | None, mpp: float | None, path: str) -> int:
+    if level is not None and mpp is not None:
+        raise ValueError("give level= or mpp=, not both")
+    if mpp is not None:
+        known = [(i, info.mpp) for i, info in enumerate(infos) if info.mpp]
+        if not known:
+            raise ValueError(f"{path!r} records no resolution (microns per pixel); choose a level by index instead")
+        best, found = min(known, key=lambda p: abs(np.log(p[1] / mpp)))
+        if abs(found / mpp - 1) > 0.1:
+            raise ValueError(f"{path!r} has no level near {mpp} µm/px; its levels have "
+                             f"{', '.join(f'{m:.3g}' for _, m in known)} µm/px")
+        return best
+    level = 0 if level is None else level
+    if not (isinstance(level, int) and 0 <= level < len(infos)):
+        raise ValueError(f"{path!r} has levels 0 to {len(infos) - 1} (shapes {[i.shape for i in infos]}); "
+                         f"level {level!r} does not exist")
+    return level
+
+
+def _float_dtype(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if not (hasattr(torch, name) and isinstance(getattr(torch, name), torch.dtype)
+            and getattr(torch, name).is_floating_point):
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; sources convert to one "
+                         "(float32, float64, bfloat16, float16)")
+    return name
+
+
+def is_source_batch(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(s, ImageSource) for s in x)
+
+
+class SourceBatch:
+    """A batch given as sources: the shape and dtype the model sees, without reading a pixel."""
+
+    def __init__(self, sources: Sequence[ImageSource]) -> None:
+        sources = list(sources)
+        first = sources[0]
+        for i, s in enumerate(sources[1:], 1):
+            if (s.shape, s.dtype) != (first.shape, first.dtype):
+                raise ValueError(
+                    f"the sources of one batch must share shape and dtype: item 0 is {first.shape} {first.dtype}, "
+                    f"item {i} ({s.path}) is {s.shape} {s.dtype}; crop or choose levels that match"
+                )
+        self.sources = sources
+        self.shape = torch.Size((len(sources), *first.shape))
+        self.dtype = first.torch_dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def read(self, box: Box | None = None) -> torch.Tensor:
+        """(N, C, *box) as the model receives it."""
+        return torch.stack([s.tensor(box) for s in self.sources])
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """What a worker gets instead of its input shard: the sources and its own box."""
+
+    sources: tuple[ImageSource, ...]
+    box: Box
+
+    def read(self) -> torch.Tensor:
+        return torch.stack([s.tensor(self.box) for s in self.sources])

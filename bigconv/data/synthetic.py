@@ -1,0 +1,70 @@
+"""Synthetic slides for tests and demos: a tiled pyramidal RGB TIFF written quickly on a small CPU.
+
+Level 0 is a grid of ``tile``-sized tiles drawn from a small palette (a fraction of them tissue-like
+colour patterns, the rest white glass), so the file compresses well and is written in seconds even at
+16,384². Each further level halves the previous one (2x2 mean, rounded), written as reduced pages
+(``subfiletype=1``) as OpenSlide expects, with the resolution tags that give microns per pixel.
+The pixels are a pure function of the arguments: ``synthetic_slide`` run twice writes the same image.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _palette(tile: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:tile, 0:tile]
+    tiles = []
+    for _ in range(count):
+        base = rng.integers(90, 230, size=3)
+        fx, fy, phase = rng.uniform(0.01, 0.08, size=2).tolist() + [rng.uniform(0, 6.3)]
+        wave = (np.sin(fx * xx + phase) * np.cos(fy * yy) * 25)[..., None]
+        noise = rng.integers(-12, 13, size=(tile, tile, 3))
+        tiles.append(np.clip(base + wave + noise, 0, 255).astype(np.uint8))
+    return tiles
+
+
+def _level0_tile(i: int, j: int, palette: list[np.ndarray], tissue: float, seed: int, tile: int) -> np.ndarray:
+    h = np.random.default_rng([seed, i, j])
+    if h.random() >= tissue:
+        return np.full((tile, tile, 3), 255, np.uint8)
+    return palette[int(h.integers(len(palette)))]
+
+
+def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels: int = 3, *, tile: int = 512,
+                    tissue: float = 0.35, mpp: float = 0.25, seed: int = 0, palette: int = 8,
+                    compression: str = "zlib") -> str:
+    """Write an RGB slide of ``size`` (an edge, or (height, width)) with ``levels`` levels; return the path."""
+    import tifffile
+
+    height, width = (size, size) if isinstance(size, int) else size
+    if height % (tile << (levels - 1)) or width % (tile << (levels - 1)):
+        raise ValueError(f"size {height}x{width} must be a multiple of tile * 2**(levels - 1) = "
+                         f"{tile << (levels - 1)}")
+    tiles = _palette(tile, palette, seed)
+    rows, cols = height // tile, width // tile
+
+    def level0(i, j):
+        return _level0_tile(i, j, tiles, tissue, seed, tile)
+
+    def reduced(get, i, j):  # one tile of the next level from 2x2 tiles of this one
+        block = np.concatenate([np.concatenate([get(2 * i + a, 2 * j + b) for b in (0, 1)], axis=1) for a in (0, 1)])
+        mean = block.reshape(tile, 2, tile, 2, 3).astype(np.uint16).sum(axis=(1, 3))
+        return ((mean + 2) // 4).astype(np.uint8)
+
+    getters = [level0]
+    for _ in range(1, levels):
+        getters.append(lambda i, j, g=getters[-1]: reduced(g, i, j))
+    res = 1e4 / mpp  # pixels per centimetre
+    path = os.fspath(path)
+    with tifffile.TiffWriter(path, bigtiff=height * width * 3 > 2**31) as tw:
+        for k, get in enumerate(getters):
+            r, c = rows >> k, cols >> k
+            tw.write((get(i, j) for i in range(r) for j in range(c)), shape=(r * tile, c * tile, 3), dtype=np.uint8,
+                     tile=(tile, tile), photometric="rgb", compression=compression,
+                     subfiletype=1 if k else 0, resolution=(res / 2**k, res / 2**k), resolutionunit="CENTIMETER",
+                     metadata=None)
+    return path

@@ -1,0 +1,156 @@
+"""Training on image sources: every worker reads only its own box from the file, and the result is
+one process's on the same pixels (uint8 / 255, channels first), float64, relative error <= 1e-9."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn as nn
+
+import bigconv
+from bigconv.data import SourceBatch, open_image, synthetic_slide
+from bigconv.verify import compare_training
+
+TOL = 1e-9
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2), nn.BatchNorm2d(4),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)).double()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("slides")
+    tiff = [synthetic_slide(folder / f"s{i}.tif", (256, 512), levels=2, tile=128, seed=i, tissue=0.6)
+            for i in range(2)]
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, size=(3, 90, 77), dtype=np.uint8) for _ in range(2)]
+    npy = []
+    for i, a in enumerate(arrays):
+        np.save(folder / f"a{i}.npy", a)
+        npy.append(str(folder / f"a{i}.npy"))
+    import zarr
+
+    zarrs = []
+    for i, a in enumerate(arrays):
+        z = zarr.create_array(str(folder / f"z{i}.zarr"), shape=a.shape, chunks=(3, 32, 32), dtype="uint8")
+        z[:] = a
+        zarrs.append(str(folder / f"z{i}.zarr"))
+    return {"tiff": tiff, "npy": npy, "zarr": zarrs, "arrays": arrays}
+
+
+def check(world, files, kind, level, grid):
+    srcs = [open_image(p, level=level, dtype="float64", scale=1 / 255) for p in files[kind]]
+    r = compare_training(model(), world, srcs, torch.tensor([0, 1]), nn.CrossEntropyLoss(), grid=grid)
+    assert max(r[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")) <= TOL, r
+    assert r["replicas_equal"]
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind,level", [("tiff", 0), ("tiff", 1), ("npy", 0), ("zarr", 0)])
+def test_training_on_sources_equals_one_process_2x2(world, files, kind, level):
+    check(world, files, kind, level, (2, 2))
+
+
+@pytest.mark.world(3)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind,level,grid", [("tiff", 1, (3, 1)), ("zarr", 0, (1, 3)), ("npy", 0, (3, 1))])
+def test_training_on_sources_equals_one_process_uneven(world, files, kind, level, grid):
+    check(world, files, kind, level, grid)  # 128, 90 and 77 rows over 3 shards: uneven
+
+
+def test_sources_read_the_stored_pixels(files):
+    for p, a in zip(files["npy"] + files["zarr"], files["arrays"] * 2):
+        src = open_image(p, mean=(0.5, 0.5, 0.5), std=(2.0, 2.0, 2.0), scale=1 / 255)
+        assert src.shape == (3, 90, 77) and src.stored_dtype == "uint8"
+        assert np.array_equal(src.read(((10, 50), (7, 70))), a[:, 10:50, 7:70])
+        want = (torch.from_numpy(a[:, :4, :5]).float() * (1 / 255) - 0.5) / 2.0  # as declared: scale, mean, std
+        assert torch.equal(src.tensor(((0, 4), (0, 5))), want)
+    import tifffile
+
+    with tifffile.TiffFile(files["tiff"][0]) as tf:
+        level1 = tf.series[0].levels[1].asarray()
+    src = open_image(files["tiff"][0], mpp=0.5, fill=255)  # written at 0.25 um/px: level 1
+    assert src.level == 1 and src.shape == (3, 128, 256)
+    out = src.read(((-3, 20), (250, 260)))  # a padded crop reaching beyond two edges
+    assert np.array_equal(out[:, 3:, :6], level1[:20, 250:256].transpose(2, 0, 1))
+    assert (out[:, :3] == 255).all() and (out[:, :, 6:] == 255).all()
+
+
+def test_sources_pickle_small():
+    src = open_image(synthetic_slide_path(), scale=1 / 255)
+    assert len(pickle.dumps(src)) < 4096
+
+
+def synthetic_slide_path(cache={}):
+    if "p" not in cache:
+        import tempfile
+
+        cache["p"] = synthetic_slide(tempfile.mkdtemp() + "/p.tif", 1024, levels=3, tile=128)
+    return cache["p"]
+
+
+@pytest.mark.world(4)
+def test_each_worker_opens_a_file_once(world, files):
+    srcs = [open_image(p, level=0, dtype="float64", scale=1 / 255) for p in files["tiff"]]
+    net = bigconv.parallelize(model(), world, grid=(2, 2))
+    for _ in range(3):
+        net(srcs)
+    counts = world.call(_opened, [()] * world.workers, "counting opens")
+    for c in counts:
+        assert c and all(n == 1 for n in c.values()), counts
+
+
+def _opened():
+    from bigconv.data import OPENED
+
+    return {str(k): v for k, v in OPENED.items()}
+
+
+@pytest.fixture
+def rpc_calls(monkeypatch):
+    calls = []
+    real = rpc.rpc_async
+    monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: calls.append(a[:2]) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.world(4)
+def test_bad_sources_are_refused_before_remote_work(world, files, rpc_calls, tmp_path):
+    net = bigconv.parallelize(model(), world, grid=(2, 2))
+    rpc_calls.clear()
+    two_levels = [open_image(files["tiff"][0], level=0, dtype="float64"), open_image(files["tiff"][1], level=1,
+                                                                                       dtype="float64")]
+    with pytest.raises(ValueError, match="must share shape and dtype.*item 1"):
+        net(two_levels)
+    gray = [open_image(files["npy"][0], dtype="float64").__class__(**{
+        **open_image(files["npy"][0], dtype="float64").__dict__, "shape": (1, 90, 77)})]
+    with pytest.raises(ValueError, match="cannot run on an input of shape"):
+        net(gray)
+    assert rpc_calls == []
+    with pytest.raises(ValueError, match="no image at"):
+        open_image(tmp_path / "missing.tif")
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        open_image(tmp_path / "slide.xyz")
+    with pytest.raises(ValueError, match="level 5 does not exist"):
+        open_image(files["tiff"][0], level=5)
+    with pytest.raises(ValueError, match="not a floating-point torch dtype"):
+        open_image(files["npy"][0], dtype="int64")
+    with pytest.raises(ValueError, match="no level near 4"):
+        open_image(files["tiff"][0], mpp=4)
+    with pytest.raises(ValueError, match="records no resolution"):
+        open_image(files["npy"][0], mpp=0.5)
+
+
+def test_a_source_batch_reads_whole(files):
+    srcs = [open_image(p, dtype="float64", scale=1 / 255) for p in files["npy"]]
+    x = SourceBatch(srcs).read()
+    assert x.shape == (2, 3, 90, 77) and x.dtype == torch.float64
+    assert torch.equal(x[1], torch.from_numpy(files["arrays"][1]).double() * (1 / 255))
