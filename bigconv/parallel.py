@@ -184,6 +184,28 @@ class ParallelModel:
         results = self.world.wait(self._launch(args), f"inference call {args[0][0]}")
         return self._assemble(plan, results, grad=False)
 
+    def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
+        """Write the dense output for ``x`` (a tensor, or a list of image sources) into a zarr array at
+        ``out``, each worker writing its own region; nothing the size of the output reaches the driver.
+        Chunks never cross shards (``bigconv.data.outputs``). Returns ``out``."""
+        from .data import outputs
+
+        plan = self.plan(x)
+        if plan.out_shape is None:
+            raise ValueError("predict writes a dense map, but this model's output is one vector per image "
+                             "(replicated after pooling); use net(x) for it")
+        chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
+        dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
+        path = outputs.create(str(out), plan.out_full_shape, chunks, dtype, overwrite)
+        args = self._shard_args(plan, x, None, None, grad=False)
+        boxes = [shard_box(plan.out_shape, plan.grid, c) for c in all_coords(plan.grid)]
+        self.world.check_usable()
+        futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], path, box),
+                                 timeout=self.world.rpc_timeout)
+                   for name, a, box in zip(self.world.names, args, boxes)]
+        self.world.wait(futures, f"prediction {args[0][0]}")
+        return path
+
     def _shard_args(self, plan: Plan, x, loss_fn, y, grad: bool) -> list[tuple]:
         call = next(self._calls)
         if is_source_batch(x):

@@ -85,6 +85,13 @@ class Replica:
         finally:
             transport.flush()
 
+    def predict(self, call: int, grid, shape, x, path: str, box) -> None:
+        """Run this shard without gradients and write its output region into the zarr array at ``path``."""
+        from .data import outputs
+
+        out = self.forward(call, grid, shape, x, grad=False)
+        outputs.write(path, (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box), out.numpy())
+
     def make_optimizer(self, cls, kwargs: dict) -> None:
         self.optimizer = cls(self.model.parameters(), **kwargs)
 

@@ -94,6 +94,10 @@ def forward(model_id: int, *args):
     return replica(model_id).forward(*args)
 
 
+def predict(model_id: int, *args) -> None:
+    replica(model_id).predict(*args)
+
+
 def step(model_id: int, context_id: int) -> None:
     replica(model_id).step(context_id)
 

@@ -154,3 +154,40 @@ def test_a_source_batch_reads_whole(files):
     x = SourceBatch(srcs).read()
     assert x.shape == (2, 3, 90, 77) and x.dtype == torch.float64
     assert torch.equal(x[1], torch.from_numpy(files["arrays"][1]).double() * (1 / 255))
+
+
+def dense() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1)).double()
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_predict_writes_the_single_process_output_into_zarr(world, files, tmp_path):
+    import zarr
+
+    srcs = [open_image(p, level=1, dtype="float64", scale=1 / 255) for p in files["tiff"]]
+    model = dense()
+    net = bigconv.parallelize(model, world, grid=(2, 2))
+    path = net.predict(srcs, out=tmp_path / "pred.zarr")
+    got = zarr.open_array(path, mode="r")
+    assert got.shape == (2, 2, 128, 256) and got.chunks == (1, 2, 64, 128)  # shards are 64 x 128
+    with torch.no_grad():
+        want = model(SourceBatch(srcs).read())
+    assert np.abs(got[:] - want.numpy()).max() <= TOL * np.abs(want.numpy()).max()
+    with pytest.raises(ValueError, match="exists; choose another out= or pass overwrite=True"):
+        net.predict(srcs, out=path)
+    net.predict(srcs, out=path, overwrite=True)
+    head = bigconv.parallelize(nn.Sequential(dense(), nn.AdaptiveAvgPool2d(1)), world)
+    with pytest.raises(ValueError, match="use net\\(x\\) for it"):
+        head.predict(srcs, out=tmp_path / "head.zarr")
+
+
+def test_chunks_never_cross_shards():
+    from bigconv.data.outputs import aligned_chunks
+
+    assert aligned_chunks((128, 256), (2, 2)) == (64, 128)
+    assert aligned_chunks((4096, 1000), (4, 1)) == (1024, 1000)
+    assert aligned_chunks((3000, 3000), (3, 2)) == (1000, 750)  # 750 divides the boundary at 1500
+    with pytest.raises(ValueError, match="share no chunk edge"):
+        aligned_chunks((101, 64), (3, 1))  # shards start at 33 and 67
