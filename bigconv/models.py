@@ -97,3 +97,17 @@ class FCN2D(nn.Module):
         for i in reversed(range(self.depth - 1)):
             y = self.ups[i + 1](y) + self.scores[i](features[i])
         return self.ups[0](y)
+
+
+class SlideCNN(nn.Sequential):
+    """A small classifier for RGB whole slides: a 4x4 stride-4 stem (so the first activation is a
+    sixteenth of the image's positions), two stride-2 convolutions, global pooling, a linear head."""
+
+    def __init__(self, num_classes: int = 2, width: int = 8, in_channels: int = 3) -> None:
+        _check_sizes(num_classes=num_classes, width=width, in_channels=in_channels)
+        super().__init__(
+            nn.Conv2d(in_channels, width, 4, stride=4), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, num_classes),
+        )

@@ -10,6 +10,7 @@ replica stays bit-for-bit equal.
 from __future__ import annotations
 
 import pickle
+import time
 from collections import defaultdict
 
 import torch
@@ -66,7 +67,10 @@ class Replica:
         self.rt.mailbox.drop_calls_before(call)
         self.path.stack.clear()
         if isinstance(x, ShardRead):  # this worker's box, read from the file here
+            start, x_read_bytes = time.perf_counter(), x.stored_bytes
             x = x.read()
+            self.rt.stats["read_s"] += time.perf_counter() - start
+            self.rt.stats["read_bytes"] += x_read_bytes
         x = mark(x.to(self.rt.device), shape)
         if grad == "input":  # keep the input shard as a leaf, to read its gradient afterwards
             self.last_input = x.requires_grad_(True)

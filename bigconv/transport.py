@@ -74,7 +74,8 @@ class WorkerRuntime:
     mailbox: Mailbox = field(default_factory=Mailbox)
     pending: list = field(default_factory=list)
     models: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0})
+    stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0,
+                                                 "read_s": 0.0, "read_bytes": 0})
     send: Callable[[int, Hashable, torch.Tensor], None] | None = None
     """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
 

@@ -68,20 +68,26 @@ class ImageSource:
         out[(slice(None),) + tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(inside, box))] = data
         return out
 
-    def tensor(self, box: Box | None = None) -> torch.Tensor:
-        """``read(box)`` converted as declared: dtype, then scale, then (x - mean) / std per channel."""
-        data = self.read(box)
-        if not data.flags.writeable:  # a memmap's view: torch wants memory it may own
-            data = data.copy()
-        x = torch.from_numpy(np.ascontiguousarray(data)).to(self.torch_dtype)
+    def tensor(self, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``read(box)`` converted as declared: dtype, then scale, then (x - mean) / std per channel.
+
+        In place, into ``out`` when given: a worker's shard is converted without a second copy."""
+        raw = self.read(box)
+        if not raw.flags.writeable:  # a memmap's view; torch wants memory it may write
+            raw = raw.copy()
+        data = torch.from_numpy(np.ascontiguousarray(raw))
+        if out is None:
+            out = torch.empty(data.shape, dtype=self.torch_dtype)
+        out.copy_(data)
+        del data
         if self.scale is not None:
-            x = x * self.scale
+            out.mul_(self.scale)
         view = (-1,) + (1,) * len(self.spatial)
         if self.mean is not None:
-            x = x - torch.tensor(self.mean, dtype=x.dtype).view(view)
+            out.sub_(torch.tensor(self.mean, dtype=out.dtype).view(view))
         if self.std is not None:
-            x = x / torch.tensor(self.std, dtype=x.dtype).view(view)
-        return x
+            out.div_(torch.tensor(self.std, dtype=out.dtype).view(view))
+        return out
 
 
 def open_image(path: str | os.PathLike, level: int | None = None, *, mpp: float | None = None,
@@ -163,7 +169,7 @@ class SourceBatch:
 
     def read(self, box: Box | None = None) -> torch.Tensor:
         """(N, C, *box) as the model receives it."""
-        return torch.stack([s.tensor(box) for s in self.sources])
+        return read_batch(self.sources, box)
 
 
 @dataclass(frozen=True)
@@ -174,4 +180,20 @@ class ShardRead:
     box: Box
 
     def read(self) -> torch.Tensor:
-        return torch.stack([s.tensor(self.box) for s in self.sources])
+        return read_batch(self.sources, self.box)
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the read takes from the files (stored dtype, e.g. one byte per uint8 value)."""
+        cells = int(np.prod([b - a for a, b in self.box]))
+        return sum(s.shape[0] * cells * np.dtype(s.stored_dtype).itemsize for s in self.sources)
+
+
+def read_batch(sources: Sequence[ImageSource], box: Box | None) -> torch.Tensor:
+    """(N, C, *box): each item converted in place into its slot of one tensor."""
+    first = sources[0]
+    box = tuple((0, n) for n in first.spatial) if box is None else box
+    out = torch.empty((len(sources), first.shape[0], *(b - a for a, b in box)), dtype=first.torch_dtype)
+    for i, s in enumerate(sources):
+        s.tensor(box, out=out[i])
+    return out
