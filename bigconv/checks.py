@@ -37,7 +37,8 @@ def check_target(x, y, loss_fn: Callable, out_shape: tuple[int, ...]) -> None:
         raise ValueError(f"y must be a tensor of targets, got {type(y).__name__}; wrap labels with torch.tensor(...)")
     if y.dim() >= 1 and y.shape[0] != x.shape[0]:
         raise ValueError(f"x holds {x.shape[0]} images but y holds {y.shape[0]} targets; pass one target per image")
-    if isinstance(loss_fn, LABEL_LOSSES) and not y.is_floating_point() and len(out_shape) >= 2:
+    if isinstance(loss_fn, LABEL_LOSSES) and not y.is_floating_point() and len(out_shape) >= 2 and not y.is_meta:
+        # (target sources arrive as a meta stand-in: their labels are read, and checked, on the workers)
         _check_labels(y, loss_fn, out_shape[1])
     _check_loss_on_meta(y, loss_fn, out_shape, x.dtype)
 

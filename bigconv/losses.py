@@ -40,6 +40,17 @@ def target_shape_ok(loss_fn: Callable, out_shape: tuple[int, ...], target: torch
     return tuple(target.shape) == tuple(out_shape)
 
 
+def check_labels_here(loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor) -> None:
+    """Class labels read on a worker (target sources) lie in [0, classes), or a clear ValueError."""
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not target.is_floating_point():
+        classes = out.shape[1]
+        labels = target[target != loss_fn.ignore_index]
+        bad = labels[(labels < 0) | (labels >= classes)]
+        if bad.numel():
+            raise ValueError(f"the label maps hold {int(bad[0])}, outside [0, {classes}) for an output with {classes} "
+                             "classes; fix the label files or give the model as many outputs as classes")
+
+
 def shard_parts(loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     """(numerator, denominator) of this shard's share of ``loss_fn(out, target)``."""
     mean = loss_fn.reduction == "mean"

@@ -17,7 +17,7 @@ import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 from . import checks, losses, saving, worker
-from .data.sources import ShardRead, SourceBatch, is_source_batch
+from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch, target_stand_in
 from .dry_run import dry_run, meta_copy
 from .executors import join_shards, split_shards
 from .geometry import choose_grid, shard_box, all_coords, validate_grid
@@ -139,9 +139,17 @@ class ParallelModel:
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x)
-        checks.check_target(x, y, loss_fn, plan.out_full_shape)
+        y_sources = is_source_batch(y)
+        y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
+        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
         dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
-            y, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y)
+            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
+        if y_sources and not dense:
+            raise ValueError(
+                "targets given as sources are read shard by shard, which needs a dense output and a loss computed "
+                "per shard (MSELoss, L1Loss, BCEWithLogitsLoss, CrossEntropyLoss with mean or sum reduction) and "
+                f"targets of the output's shape {plan.out_full_shape}; otherwise pass y as a tensor"
+            )
         args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
         with dist_autograd.context() as ctx:
             results = self.world.wait(self._launch(args), f"forward of step {args[0][0]}")
@@ -214,7 +222,10 @@ class ParallelModel:
         else:
             xs = split_shards(x.detach(), plan.grid)
         ys = [None] * len(xs)
-        if y is not None:
+        if is_source_batch(y):
+            squeeze = class_index_targets(SourceBatch(y), loss_fn)
+            ys = [ShardRead(tuple(y), shard_box(plan.out_shape, plan.grid, c), squeeze) for c in all_coords(plan.grid)]
+        elif y is not None:
             lead = (slice(None),) * (y.dim() - len(plan.grid))
             ys = [y[lead + tuple(slice(a, b) for a, b in shard_box(plan.out_shape, plan.grid, c))].clone()
                   for c in all_coords(plan.grid)]

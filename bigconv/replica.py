@@ -81,6 +81,9 @@ class Replica:
                 except Exception as exc:
                     raise _located(exc, f"{self.path.current} on {transport.worker_name(self.rt.index)}") from exc
             if loss_fn is not None:
+                if isinstance(target, ShardRead):  # this worker's box of the label maps
+                    target = target.read()
+                    losses.check_labels_here(loss_fn, out, target)
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
                 return num.cpu(), den
             if global_shape(out) is None and self.rt.index != 0 and not grad:

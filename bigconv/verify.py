@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .data.sources import SourceBatch
+from .data.sources import SourceBatch, is_source_batch, read_targets
 from .parallel import parallelize
 from .world import World
 
@@ -41,6 +41,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
     xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
+    yt = read_targets(y, loss_fn) if is_source_batch(y) else y  # gradients() takes targets as a tensor
     reference = copy.deepcopy(model)
     net = parallelize(model, world, grid=grid)
     out = net(x)
@@ -48,9 +49,9 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
         ref_out = reference(xt)
     # Gradients before any step. Both sides run a training forward here, so buffers such as
     # running statistics advance alike.
-    _, input_grad, param_grads = net.gradients(x, y, loss_fn)
+    _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
     xr = xt.detach().clone().requires_grad_(True)
-    loss_fn(reference(xr), y).backward()
+    loss_fn(reference(xr), yt).backward()
     ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
     reference.zero_grad(set_to_none=True)
     net.optimizer(optimizer, **opt_kwargs)
@@ -59,7 +60,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     for _ in range(steps):
         losses.append(net.train_step(x, y, loss_fn))
         ref_opt.zero_grad()
-        loss = loss_fn(reference(xt), y)
+        loss = loss_fn(reference(xt), yt)
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())

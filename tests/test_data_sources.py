@@ -141,8 +141,10 @@ def test_bad_sources_are_refused_before_remote_work(world, files, rpc_calls, tmp
         open_image(tmp_path / "slide.xyz")
     with pytest.raises(ValueError, match="level 5 does not exist"):
         open_image(files["tiff"][0], level=5)
+    with pytest.raises(ValueError, match="not a real torch dtype"):
+        open_image(files["npy"][0], dtype="complex64")
     with pytest.raises(ValueError, match="not a floating-point torch dtype"):
-        open_image(files["npy"][0], dtype="int64")
+        open_image(files["npy"][0], dtype="int64", scale=1 / 255)
     with pytest.raises(ValueError, match="no level near 4"):
         open_image(files["tiff"][0], mpp=4)
     with pytest.raises(ValueError, match="records no resolution"):
@@ -191,3 +193,44 @@ def test_chunks_never_cross_shards():
     assert aligned_chunks((3000, 3000), (3, 2)) == (1000, 750)  # 750 divides the boundary at 1500
     with pytest.raises(ValueError, match="share no chunk edge"):
         aligned_chunks((101, 64), (3, 1))  # shards start at 33 and 67
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loss_kind", ["labels", "mask"])
+def test_dense_targets_as_sources(world, files, tmp_path, loss_kind):
+    """Label maps (class indices, one channel) and float masks read shard by shard on the workers."""
+    rng = np.random.default_rng(3)
+    if loss_kind == "labels":
+        maps = [rng.integers(0, 2, size=(1, 90, 77), dtype=np.uint8) for _ in range(2)]
+        loss, dtype = nn.CrossEntropyLoss(), "int64"
+    else:
+        maps = [rng.random(size=(2, 90, 77)) for _ in range(2)]
+        loss, dtype = nn.BCEWithLogitsLoss(), "float64"
+    paths = []
+    for i, m in enumerate(maps):
+        np.save(tmp_path / f"y{i}.npy", m)
+        paths.append(tmp_path / f"y{i}.npy")
+    ys = [open_image(p, dtype=dtype) for p in paths]
+    xs = [open_image(p, dtype="float64", scale=1 / 255) for p in files["npy"]]
+    r = compare_training(dense(), world, xs, ys, loss, grid=(2, 2))
+    assert max(r[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")) <= TOL, r
+
+
+@pytest.mark.world(4)
+def test_bad_target_sources(world, files, tmp_path):
+    np.save(tmp_path / "bad.npy", np.full((1, 90, 77), 7, dtype=np.uint8))
+    xs = [open_image(files["npy"][0], dtype="float64", scale=1 / 255)]
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    net.optimizer(torch.optim.SGD, lr=0.1)
+    with pytest.raises(bigconv.WorkerFailure, match=r"the label maps hold 7, outside \[0, 2\)"):
+        net.train_step(xs, [open_image(tmp_path / "bad.npy", dtype="int64")], nn.CrossEntropyLoss())
+    head = bigconv.parallelize(model(), world, grid=(2, 2))
+    head.optimizer(torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"loss_fn cannot take the model's output of shape \(1, 2\)"):
+        head.train_step(xs, [open_image(tmp_path / "bad.npy", dtype="int64")], nn.CrossEntropyLoss())
+    np.save(tmp_path / "mask.npy", np.zeros((2, 90, 77)))
+    with pytest.raises(ValueError, match="targets given as sources are read shard by shard"):
+        net.train_step(xs, [open_image(tmp_path / "mask.npy", dtype="float64")], lambda o, t: ((o - t) ** 2).mean())
+    with pytest.raises(ValueError, match="scale, mean or std ask for one"):
+        open_image(tmp_path / "bad.npy", dtype="int64", scale=2.0)

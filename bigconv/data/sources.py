@@ -102,7 +102,7 @@ def open_image(path: str | os.PathLike, level: int | None = None, *, mpp: float 
     infos = readers.levels(fmt, path, key, channels_last)
     index = _choose_level(infos, level, mpp, path)
     info = infos[index]
-    dtype_name = _float_dtype(dtype)
+    dtype_name = _dtype(dtype, converting=scale is not None or mean is not None or std is not None)
     channels = info.shape[0]
     for name, values in (("mean", mean), ("std", std)):
         if values is not None and len(values) not in (1, channels):
@@ -135,12 +135,17 @@ def _choose_level(infos: list, level: int | None, mpp: float | None, path: str) 
     return level
 
 
-def _float_dtype(dtype) -> str:
+def _dtype(dtype, converting: bool) -> str:
+    """A torch dtype's name: floating point for images (and whenever scale, mean or std apply); an
+    integer one is fine for label maps."""
     name = str(dtype).replace("torch.", "")
-    if not (hasattr(torch, name) and isinstance(getattr(torch, name), torch.dtype)
-            and getattr(torch, name).is_floating_point):
-        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; sources convert to one "
-                         "(float32, float64, bfloat16, float16)")
+    kind = getattr(torch, name, None)
+    if not isinstance(kind, torch.dtype) or kind.is_complex or kind == torch.bool:
+        raise ValueError(f"dtype {dtype!r} is not a real torch dtype a source can convert to; use float32, float64, "
+                         "bfloat16 or float16 for images, int64 for label maps")
+    if converting and not kind.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype, but scale, mean or std ask for one; "
+                         "use float32 (integer dtypes are for label maps, read as stored)")
     return name
 
 
@@ -174,13 +179,16 @@ class SourceBatch:
 
 @dataclass(frozen=True)
 class ShardRead:
-    """What a worker gets instead of its input shard: the sources and its own box."""
+    """What a worker gets instead of its input (or target) shard: the sources and its own box."""
 
     sources: tuple[ImageSource, ...]
     box: Box
+    squeeze_channel: bool = False
+    """A label map of one channel for a class-index loss: (N, *spatial), as the loss takes it."""
 
     def read(self) -> torch.Tensor:
-        return read_batch(self.sources, self.box)
+        out = read_batch(self.sources, self.box)
+        return out[:, 0] if self.squeeze_channel else out
 
     @property
     def stored_bytes(self) -> int:
@@ -197,3 +205,25 @@ def read_batch(sources: Sequence[ImageSource], box: Box | None) -> torch.Tensor:
     for i, s in enumerate(sources):
         s.tensor(box, out=out[i])
     return out
+
+
+def class_index_targets(batch: SourceBatch, loss_fn) -> bool:
+    """Whether label-map sources feed a class-index loss (CrossEntropy/NLL), which takes (N, *spatial)."""
+    import torch.nn as nn
+
+    return isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not batch.dtype.is_floating_point \
+        and batch.shape[1] == 1
+
+
+def target_stand_in(y, loss_fn) -> torch.Tensor:
+    """A meta tensor with the shape and dtype the loss will see for target sources ``y``."""
+    batch = SourceBatch(y)
+    shape = (batch.shape[0], *batch.shape[2:]) if class_index_targets(batch, loss_fn) else tuple(batch.shape)
+    return torch.empty(shape, dtype=batch.dtype, device="meta")
+
+
+def read_targets(y, loss_fn) -> torch.Tensor:
+    """Target sources read whole, as the loss takes them (for single-process references)."""
+    batch = SourceBatch(y)
+    out = batch.read()
+    return out[:, 0] if class_index_targets(batch, loss_fn) else out
