@@ -261,10 +261,9 @@ class ParallelModel:
         self.world.check_usable()
         parts = self.world.call(worker.checkpoint_state, [(self.id, i == 0) for i in range(self.world.workers)],
                                 "saving a checkpoint")
-        ck = {"format": saving.FORMAT, "version": saving.VERSION, "model": parts[0]["model"],
-              "optimizer": parts[0]["optimizer"], "optimizer_class": self.optimizer_class, "step": self.steps,
-              "rng": {"driver": torch.get_rng_state(), "workers": [p["rng"] for p in parts]},
-              "workers": self.world.workers, "grid": list(self.grid) if self.grid else None}
+        ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
+                               [p["rng"] for p in parts], self.world.workers,
+                               grid=list(self.grid) if self.grid else None)
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from . import losses, transport
+from . import losses, saving, transport
 from .data.sources import ShardRead
 from .executors import ShardExecutor
 from .sharding import ModulePath, ShardMode, global_shape, mark
@@ -141,7 +141,7 @@ class Replica:
         state: dict = {"rng": rng_state(self.rt.device)}
         if full:
             state["model"] = self.state_dict()
-            state["optimizer"] = _to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None
+            state["optimizer"] = saving.to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None
         return state
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None) -> None:
@@ -164,12 +164,3 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj

@@ -119,3 +119,22 @@ def check_optimizer_state(saved: dict | None, saved_class: str | None, params_pe
 
 def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def checkpoint(model: dict, optimizer: dict | None, optimizer_class: str | None, step: int,
+               worker_rng: list | None = None, workers: int = 0, **fields) -> dict:
+    """The file's content (see the module's docstring); ``fields`` adds entries such as ``extra``."""
+    return {"format": FORMAT, "version": VERSION, "model": model, "optimizer": optimizer,
+            "optimizer_class": optimizer_class, "step": step,
+            "rng": {"driver": torch.get_rng_state(), "workers": worker_rng or []}, "workers": workers, **fields}
+
+
+def to_cpu(obj):
+    """A detached CPU copy of every tensor in a nest of dicts, lists and tuples (optimizer state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj

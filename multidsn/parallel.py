@@ -220,10 +220,8 @@ class DistributedDSN:
             optimizer = {"state": dict(sorted(state.items())),
                          "param_groups": [{**parts[0]["optimizer"]["group"],
                                            "params": list(range(len(self._param_names)))}]}
-        ck = {"format": saving.FORMAT, "version": saving.VERSION, "model": {k: model[k] for k in self._names},
-              "optimizer": optimizer, "optimizer_class": self.optimizer_class, "step": self.steps,
-              "rng": {"driver": torch.get_rng_state(), "workers": []}, "workers": self.world.workers,
-              "extra": extra or {}}
+        ck = saving.checkpoint({k: model[k] for k in self._names}, optimizer, self.optimizer_class, self.steps,
+                               workers=self.world.workers, extra=extra or {})
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> dict:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 
-from bigconv import transport
+from bigconv import saving, transport
 
 from .config import DSNConfig
 from .model import head_terms, reconstruction_term, separation_terms
@@ -179,7 +179,7 @@ def checkpoint_state(model_id: int) -> dict:
         sd = p.optimizer.state_dict()
         names = [n for n, _ in named_parameters(p)]
         hyper = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
-        out["optimizer"] = {"state": {names[i]: _cpu(st) for i, st in sd["state"].items()}, "group": hyper}
+        out["optimizer"] = {"state": {names[i]: saving.to_cpu(st) for i, st in sd["state"].items()}, "group": hyper}
     return out
 
 
@@ -195,14 +195,6 @@ def load_checkpoint(model_id: int, model_state: dict, optimizer_state: dict | No
         group = {k: v for k, v in optimizer_state["param_groups"][0].items() if k != "params"}
         state = {j: optimizer_state["state"][i] for j, i in enumerate(local) if i in optimizer_state["state"]}
         p.optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(len(local)))}]})
-
-
-def _cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    return obj
 
 
 def make_optimizer(model_id: int, cls, kwargs: dict) -> None:

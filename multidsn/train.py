@@ -278,10 +278,8 @@ def _resumable(args) -> dict | None:
 
 def _mark_seed_done(args, runs: list) -> None:
     """A checkpoint that says: these seeds are done, the next starts from scratch."""
-    saving.atomic_save({"format": saving.FORMAT, "version": saving.VERSION, "model": {}, "optimizer": None,
-                        "step": 0, "rng": {"driver": torch.get_rng_state(), "workers": []},
-                        "extra": {"runs": runs, "seed": None, "model": None, "config": _fingerprint(args)}},
-                       args.checkpoint)
+    extra = {"runs": runs, "seed": None, "model": None, "config": _fingerprint(args)}
+    saving.atomic_save(saving.checkpoint({}, None, None, 0, extra=extra), args.checkpoint)
 
 
 def _with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:

@@ -46,11 +46,9 @@ class LocalDSN:
 
     def save(self, path, extra: dict | None = None) -> str:
         """The same file ``DistributedDSN.save`` writes, so a run can move between placements."""
-        ck = {"format": saving.FORMAT, "version": saving.VERSION, "model": self.dsn.state_dict(),
-              "optimizer": self.opt.state_dict() if self.opt is not None else None,
-              "optimizer_class": saving.class_name(type(self.opt)) if self.opt is not None else None,
-              "step": self.steps, "rng": {"driver": torch.get_rng_state(), "workers": []}, "workers": 0,
-              "extra": extra or {}}
+        ck = saving.checkpoint(self.dsn.state_dict(), self.opt.state_dict() if self.opt is not None else None,
+                               saving.class_name(type(self.opt)) if self.opt is not None else None, self.steps,
+                               extra=extra or {})
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> dict:

@@ -72,6 +72,23 @@ def exclusive(world_manager):
     yield
 
 
+@pytest.fixture
+def rpc_calls(monkeypatch) -> list:
+    """Every ``rpc.rpc_async`` the test makes from here on: a check that claims to run before any
+    remote work asserts this stays empty."""
+    import torch.distributed.rpc as rpc
+
+    calls = []
+    real = rpc.rpc_async
+
+    def counting(*args, **kwargs):
+        calls.append(args[:2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rpc, "rpc_async", counting)
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

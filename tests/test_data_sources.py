@@ -3,12 +3,12 @@ one process's on the same pixels (uint8 / 255, channels first), float64, relativ
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 import bigconv
@@ -112,14 +112,6 @@ def _opened():
     from bigconv.data import OPENED
 
     return {str(k): v for k, v in OPENED.items()}
-
-
-@pytest.fixture
-def rpc_calls(monkeypatch):
-    calls = []
-    real = rpc.rpc_async
-    monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: calls.append(a[:2]) or real(*a, **k))
-    return calls
 
 
 @pytest.mark.world(4)
@@ -234,3 +226,31 @@ def test_bad_target_sources(world, files, tmp_path):
         net.train_step(xs, [open_image(tmp_path / "mask.npy", dtype="float64")], lambda o, t: ((o - t) ** 2).mean())
     with pytest.raises(ValueError, match="scale, mean or std ask for one"):
         open_image(tmp_path / "bad.npy", dtype="int64", scale=2.0)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["torchvision/resnet18", "smp/Unet"])
+def test_zoo_networks_train_on_slide_sources(world, files, name):
+    """Networks nobody on the team wrote, fed straight from a pyramidal TIFF: a classifier with slide
+    labels, and a segmentation net with label maps read as sources too."""
+    from bigconv.compat import allow_torchvision_without_ops
+
+    allow_torchvision_without_ops()
+    import zoo
+
+    entry = zoo.BY_NAME[name]
+    xs = [open_image(p, level=1, dtype="float64", scale=1 / 255) for p in files["tiff"]]  # 128 x 256 RGB
+    if entry.dense:
+        rng = np.random.default_rng(5)
+        folder = os.path.dirname(files["npy"][0])
+        ys = []
+        for i in range(2):
+            np.save(os.path.join(folder, f"labels_{i}.npy"),
+                    rng.integers(0, entry.num_classes, size=(1, 128, 256), dtype=np.uint8))
+            ys.append(open_image(os.path.join(folder, f"labels_{i}.npy"), dtype="int64"))
+    else:
+        ys = torch.tensor([0, 1])
+    torch.manual_seed(0)
+    r = compare_training(entry.build().double(), world, xs, ys, nn.CrossEntropyLoss(), grid=(2, 2))
+    assert max(r[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")) <= TOL, r

@@ -1,6 +1,6 @@
 """Bad input gets a clear ValueError before any RPC traffic, naming the problem and the fix.
 
-Every check here runs with ``rpc.rpc_async`` counted: a failure that leaked to the workers first
+Every check here runs with ``rpc.rpc_async`` counted (the ``rpc_calls`` fixture of conftest.py): a failure that leaked to the workers first
 would show up as remote calls, or as a confusing remote traceback instead of the message matched.
 """
 
@@ -8,24 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 import bigconv
 from bigconv.models import CNN1D, CNN2D
-
-
-@pytest.fixture
-def rpc_calls(monkeypatch):
-    calls = []
-    real = rpc.rpc_async
-
-    def counting(*args, **kwargs):
-        calls.append(args[:2])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(rpc, "rpc_async", counting)
-    return calls
 
 
 @pytest.mark.world(4)

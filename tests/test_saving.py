@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 import bigconv
@@ -112,14 +111,6 @@ def test_resume_equals_uninterrupted_training(world_manager, tmp_path):
         nn.CrossEntropyLoss()(plain(x), y).backward()
         opt.step()
     assert rel(plain.state_dict(), want) <= 1e-9
-
-
-@pytest.fixture
-def rpc_calls(monkeypatch):
-    calls = []
-    real = rpc.rpc_async
-    monkeypatch.setattr(rpc, "rpc_async", lambda *a, **k: calls.append(a[:2]) or real(*a, **k))
-    return calls
 
 
 def _corrupt(path, tmp_path):
