@@ -7,7 +7,8 @@ See ``sources`` (what a source is), ``readers`` (formats) and ``synthetic`` (tes
 """
 
 from .readers import OPENED
+from .dataset import SlideDataset, tissue_box
 from .sources import ImageSource, SourceBatch, open_image
 from .synthetic import synthetic_slide
 
-__all__ = ["ImageSource", "OPENED", "SourceBatch", "open_image", "synthetic_slide"]
+__all__ = ["ImageSource", "OPENED", "SlideDataset", "SourceBatch", "open_image", "synthetic_slide", "tissue_box"]

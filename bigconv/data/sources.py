@@ -8,13 +8,13 @@ image passes through the driver. Reads outside the image come back as ``fill`` (
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from . import readers
+from . import readers, views
 
 Box = tuple[tuple[int, int], ...]
 
@@ -40,7 +40,28 @@ class ImageSource:
     axes: str | None = None
     mpp: float | None = None
     levels: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
-    """Every level's (C, *spatial), for choosing another one (``at_level``)."""
+    """Every level's stored (C, *spatial)."""
+    crop: Box | None = None
+    """A view's region of the stored level (may reach beyond the image: ``fill`` there)."""
+    dihedral: int = 0
+    """A view's symmetry of the square (``bigconv.data.views``), after the crop."""
+    jitter: tuple[float, float] | None = None
+    """A view's (contrast, brightness): ``x * contrast + brightness`` after ``scale``."""
+
+    def view(self, crop: Box | None = None, dihedral: int = 0, jitter: tuple[float, float] | None = None
+             ) -> "ImageSource":
+        """This image cropped, turned or flipped, and colour-jittered: each worker still reads only the
+        stored box under its own part of the view."""
+        if self.crop is not None or self.dihedral or self.jitter is not None:
+            raise ValueError("a view of a view is not supported; make one view of the opened image")
+        if dihedral and len(self.spatial) != 2:
+            raise ValueError("flips and rotations are for 2D images")
+        crop = tuple((0, n) for n in self.spatial) if crop is None else tuple(tuple(map(int, b)) for b in crop)
+        if len(crop) != len(self.spatial) or any(b <= a for a, b in crop):
+            raise ValueError(f"crop {crop} must give one non-empty (start, stop) per spatial dim of {self.spatial}")
+        sizes = tuple(b - a for a, b in crop)
+        spatial = views.view_shape(sizes, dihedral) if len(sizes) == 2 else sizes
+        return replace(self, crop=crop, dihedral=int(dihedral) % 8, jitter=jitter, shape=(self.shape[0], *spatial))
 
     @property
     def spatial(self) -> tuple[int, ...]:
@@ -56,7 +77,16 @@ class ImageSource:
         box = tuple((0, n) for n in self.spatial) if box is None else tuple(tuple(b) for b in box)
         if len(box) != len(self.spatial):
             raise ValueError(f"a box needs {len(self.spatial)} (start, stop) pairs for {self}, got {box}")
-        inside = tuple((max(a, 0), min(b, n)) for (a, b), n in zip(box, self.spatial))
+        if self.crop is None:
+            return self._read_stored(box)
+        sizes = tuple(b - a for a, b in self.crop)
+        region = views.preimage(box, sizes, self.dihedral) if len(sizes) == 2 else box
+        data = self._read_stored(tuple((a + o, b + o) for (a, b), (o, _) in zip(region, self.crop)))
+        return views.apply(data, self.dihedral) if len(sizes) == 2 else data
+
+    def _read_stored(self, box: Box) -> np.ndarray:
+        stored = self.levels[self.level][1:] if self.levels else self.spatial
+        inside = tuple((max(a, 0), min(b, n)) for (a, b), n in zip(box, stored))
         out_shape = (self.shape[0], *(b - a for a, b in box))
         if any(b <= a for a, b in inside):
             return np.full(out_shape, self.fill, dtype=self.stored_dtype)
@@ -82,6 +112,8 @@ class ImageSource:
         del data
         if self.scale is not None:
             out.mul_(self.scale)
+        if self.jitter is not None:
+            out.mul_(self.jitter[0]).add_(self.jitter[1])
         view = (-1,) + (1,) * len(self.spatial)
         if self.mean is not None:
             out.sub_(torch.tensor(self.mean, dtype=out.dtype).view(view))
