@@ -214,6 +214,21 @@ class ParallelModel:
         self.world.wait(futures, f"prediction {args[0][0]}")
         return path
 
+    def prefetch(self, x, y=None, loss_fn=None) -> None:
+        """Start every worker reading its boxes of the next call's sources (``x``, and ``y`` when they
+        are sources too) while the current call computes; that call must then get the same arguments.
+        Tensors need nothing: this returns at once for them."""
+        if not (is_source_batch(x) or is_source_batch(y)):
+            return
+        plan = self.plan(x)
+        reads = [[a[3], a[5]] for a in self._shard_args(plan, x, loss_fn, y if is_source_batch(y) else None,
+                                                        grad=False)]
+        reads = [[r for r in pair if isinstance(r, ShardRead)] for pair in reads]
+        self.world.check_usable()
+        futures = [rpc.rpc_async(name, worker.prefetch, args=(r,), timeout=self.world.rpc_timeout)
+                   for name, r in zip(self.world.names, reads)]
+        self.world.wait(futures, "starting the next reads")
+
     def _shard_args(self, plan: Plan, x, loss_fn, y, grad: bool) -> list[tuple]:
         call = next(self._calls)
         if is_source_batch(x):

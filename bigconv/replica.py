@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
 from . import losses, saving, transport
+from .data import prefetch
 from .data.sources import ShardRead
 from .executors import ShardExecutor
 from .sharding import ModulePath, ShardMode, global_shape, mark
@@ -66,11 +67,8 @@ class Replica:
         """Run this shard; return the output shard, the replicated output, or (num, den) of the loss."""
         self.rt.mailbox.drop_calls_before(call)
         self.path.stack.clear()
-        if isinstance(x, ShardRead):  # this worker's box, read from the file here
-            start, x_read_bytes = time.perf_counter(), x.stored_bytes
-            x = x.read()
-            self.rt.stats["read_s"] += time.perf_counter() - start
-            self.rt.stats["read_bytes"] += x_read_bytes
+        if isinstance(x, ShardRead):  # this worker's box, read from the file here (or already, ahead)
+            x = self._read(x)
         x = mark(x.to(self.rt.device), shape)
         if grad == "input":  # keep the input shard as a leaf, to read its gradient afterwards
             self.last_input = x.requires_grad_(True)
@@ -82,7 +80,7 @@ class Replica:
                     raise _located(exc, f"{self.path.current} on {transport.worker_name(self.rt.index)}") from exc
             if loss_fn is not None:
                 if isinstance(target, ShardRead):  # this worker's box of the label maps
-                    target = target.read()
+                    target = self._read(target)
                     losses.check_labels_here(loss_fn, out, target)
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
                 return num.cpu(), den
@@ -91,6 +89,19 @@ class Replica:
             return out.cpu()
         finally:
             transport.flush()
+
+    def _read(self, read: ShardRead) -> torch.Tensor:
+        """``read``'s tensor: prefetched, or read now. ``read_s`` counts the time the step waited."""
+        start = time.perf_counter()
+        ahead = prefetch.take(read, self.rt.timeout)
+        if ahead is None:
+            tensor = read.read()
+        else:
+            tensor, took = ahead
+            self.rt.stats["prefetch_read_s"] += took
+        self.rt.stats["read_s"] += time.perf_counter() - start
+        self.rt.stats["read_bytes"] += read.stored_bytes
+        return tensor
 
     def predict(self, call: int, grid, shape, x, path: str, box) -> None:
         """Run this shard without gradients and write its output region into the zarr array at ``path``."""

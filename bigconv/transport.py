@@ -75,7 +75,7 @@ class WorkerRuntime:
     pending: list = field(default_factory=list)
     models: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0,
-                                                 "read_s": 0.0, "read_bytes": 0})
+                                                 "read_s": 0.0, "read_bytes": 0, "prefetch_read_s": 0.0})
     send: Callable[[int, Hashable, torch.Tensor], None] | None = None
     """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
 

@@ -98,6 +98,12 @@ def predict(model_id: int, *args) -> None:
     replica(model_id).predict(*args)
 
 
+def prefetch(reads: list) -> None:
+    from .data import prefetch as ahead
+
+    ahead.start(reads)
+
+
 def step(model_id: int, context_id: int) -> None:
     replica(model_id).step(context_id)
 

@@ -92,3 +92,30 @@ def test_bad_dataset_inputs(tmp_path, folder):
     src = open_image(next(folder.glob("benign/*.tif")))
     with pytest.raises(ValueError, match="a view of a view"):
         src.view(dihedral=1).view(dihedral=2)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(180)
+def test_prefetched_batches_train_as_read_ones(world, folder):
+    """With prefetch the workers read each batch during the step before it; the weights are the same
+    bit for bit as reading in the step, and the steps wait less for their reads."""
+    import bigconv
+    from bigconv import worker
+
+    def run(prefetch: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(4, 2)).double()
+        net = bigconv.parallelize(model, world, grid=(2, 2))
+        net.optimizer(torch.optim.SGD, lr=0.1)
+        ds = SlideDataset(folder, level=0, size=(128, 128), augment=True, dtype="float64", scale=1 / 255)
+        world.call(worker.reset_memory, [()] * world.workers, "resetting counters")
+        for xs, ys in ds.batches(2, prefetch=net if prefetch else None):
+            net.train_step(xs, ys, nn.CrossEntropyLoss())
+        stats = world.call(worker.transport_stats, [()] * world.workers, "reading counters")
+        return net.state_dict(), stats
+
+    plain, read_in_step = run(False)
+    ahead, read_ahead = run(True)
+    assert all(torch.equal(plain[k], ahead[k]) for k in plain)
+    assert all(s["prefetch_read_s"] > 0 for s in read_ahead) and all(s["prefetch_read_s"] == 0 for s in read_in_step)

@@ -117,9 +117,26 @@ class SlideDataset:
     def __getitem__(self, i: int) -> tuple[ImageSource, object]:
         return self.item(i)
 
-    def batches(self, batch_size: int, *, shuffle: bool = True, epoch: int = 0,
-                drop_last: bool = False) -> Iterator[tuple[list[ImageSource], torch.Tensor]]:
-        """One epoch of (sources, labels): what ``net.train_step`` takes."""
+    def batches(self, batch_size: int, *, shuffle: bool = True, epoch: int = 0, drop_last: bool = False,
+                prefetch=None) -> Iterator[tuple[list[ImageSource], torch.Tensor]]:
+        """One epoch of (sources, labels): what ``net.train_step`` takes. ``prefetch``: a parallel model
+        whose workers start reading each batch while the one before it trains."""
+        batches = self._batches(batch_size, shuffle, epoch, drop_last)
+        if prefetch is None:
+            yield from batches
+            return
+        current = next(batches, None)
+        if current is None:
+            return
+        prefetch.prefetch(current[0])
+        for following in batches:
+            prefetch.prefetch(following[0])  # read while ``current`` trains
+            yield current
+            current = following
+        yield current
+
+    def _batches(self, batch_size: int, shuffle: bool, epoch: int,
+                 drop_last: bool) -> Iterator[tuple[list[ImageSource], torch.Tensor]]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self)) if shuffle \
             else np.arange(len(self))
         for start in range(0, len(order), batch_size):

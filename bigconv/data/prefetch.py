@@ -1,0 +1,49 @@
+"""Reads started before they are needed: a worker reads the next step's boxes while this step computes.
+
+The driver asks (``ParallelModel.prefetch``) with the exact ``ShardRead`` the next call will carry;
+a single background thread per worker reads them in order. The forward then takes its tensor here
+(waiting for a read still under way) instead of reading. A read that failed raises in that forward,
+with its own error. At most ``LIMIT`` reads are held: a prefetch nobody takes is dropped, oldest first.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .sources import ShardRead
+
+LIMIT = 4
+_LOCK = threading.Lock()
+_PENDING: "OrderedDict[ShardRead, Future]" = OrderedDict()
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _timed_read(read: ShardRead) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    return read.read(), time.perf_counter() - start
+
+
+def start(reads: list[ShardRead]) -> None:
+    global _POOL
+    with _LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bigconv-prefetch")
+        for read in reads:
+            if read not in _PENDING:
+                _PENDING[read] = _POOL.submit(_timed_read, read)
+        while len(_PENDING) > LIMIT:
+            _PENDING.popitem(last=False)
+
+
+def take(read: ShardRead, timeout: float) -> tuple[torch.Tensor, float] | None:
+    """The prefetched tensor of ``read`` and the seconds its read took, or None if none was started."""
+    with _LOCK:
+        future = _PENDING.pop(read, None)
+    if future is None:
+        return None
+    return future.result(timeout=timeout)
