@@ -254,3 +254,15 @@ def test_zoo_networks_train_on_slide_sources(world, files, name):
     torch.manual_seed(0)
     r = compare_training(entry.build().double(), world, xs, ys, nn.CrossEntropyLoss(), grid=(2, 2))
     assert max(r[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")) <= TOL, r
+
+
+def test_ome_zarr_slide_reads_the_tiff_slide_pixels(tmp_path):
+    """The same synthetic slide as OME-Zarr multiscales and as a TIFF pyramid: every level, and mpp."""
+    tif = synthetic_slide(tmp_path / "s.tif", (256, 512), levels=3, tile=64, seed=4)
+    ome = synthetic_slide(tmp_path / "s.zarr", (256, 512), levels=3, tile=64, seed=4, format="zarr")
+    for level in range(3):
+        a, b = open_image(tif, level=level), open_image(ome, level=level)
+        assert a.shape == b.shape and b.axes == "cyx"
+        box = ((3, a.shape[1] - 5), (7, a.shape[2] - 2))
+        assert np.array_equal(a.read(box), b.read(box))
+    assert open_image(ome, mpp=0.5).level == 1 and open_image(ome, mpp=1.0).level == 2

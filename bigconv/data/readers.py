@@ -180,13 +180,18 @@ def _zarr_levels(path: str, key: str | None, channels_last: bool | None) -> list
         raise ValueError(f"{path!r} is a zarr group without OME multiscales; give key='name of the array'")
     ome = dict(node.attrs).get("ome", dict(node.attrs))
     names = "".join(a["name"] if isinstance(a, dict) else a for a in ome["multiscales"][0].get("axes", "tczyx"))
+    axes = ome["multiscales"][0].get("axes", [])
+    microns = [isinstance(a, dict) and a.get("unit") == "micrometer" for a in axes]
     out = []
-    for p in paths:
+    for p, dataset in zip(paths, ome["multiscales"][0]["datasets"]):
         a = node[p]
         names = names[-len(a.shape):]
         sizes = dict(zip(names, a.shape))
         spatial = tuple(sizes[n] for n in names if n in "zyx" and not (n == "z" and sizes[n] == 1))
-        out.append(LevelInfo((sizes.get("c", 1), *spatial), str(a.dtype), None, False, names))
+        scale = next((t["scale"] for t in dataset.get("coordinateTransformations", []) if t.get("type") == "scale"),
+                     None)
+        mpp = float(scale[-1]) if scale and microns and microns[-1] else None  # the x axis, in micrometres
+        out.append(LevelInfo((sizes.get("c", 1), *spatial), str(a.dtype), mpp, False, names))
     return out
 
 

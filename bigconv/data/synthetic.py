@@ -36,9 +36,13 @@ def _level0_tile(i: int, j: int, palette: list[np.ndarray], tissue: float, seed:
 
 def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels: int = 3, *, tile: int = 512,
                     tissue: float = 0.35, mpp: float = 0.25, seed: int = 0, palette: int = 8,
-                    compression: str = "zlib") -> str:
-    """Write an RGB slide of ``size`` (an edge, or (height, width)) with ``levels`` levels; return the path."""
-    import tifffile
+                    compression: str = "zlib", format: str = "tiff") -> str:
+    """Write an RGB slide of ``size`` (an edge, or (height, width)) with ``levels`` levels; return the path.
+
+    ``format="zarr"`` writes the same pixels as an OME-Zarr (0.5) image: arrays ``0``, ``1``, ... of
+    (c, y, x) uint8 in tile-sized chunks, with each level's scale in micrometres."""
+    if format not in ("tiff", "zarr"):
+        raise ValueError(f"format must be 'tiff' or 'zarr', got {format!r}")
 
     height, width = (size, size) if isinstance(size, int) else size
     if height % (tile << (levels - 1)) or width % (tile << (levels - 1)):
@@ -58,8 +62,12 @@ def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels
     getters = [level0]
     for _ in range(1, levels):
         getters.append(lambda i, j, g=getters[-1]: reduced(g, i, j))
-    res = 1e4 / mpp  # pixels per centimetre
     path = os.fspath(path)
+    if format == "zarr":
+        return _write_ome_zarr(path, getters, rows, cols, tile, mpp)
+    import tifffile
+
+    res = 1e4 / mpp  # pixels per centimetre
     with tifffile.TiffWriter(path, bigtiff=height * width * 3 > 2**31) as tw:
         for k, get in enumerate(getters):
             r, c = rows >> k, cols >> k
@@ -67,4 +75,23 @@ def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels
                      tile=(tile, tile), photometric="rgb", compression=compression,
                      subfiletype=1 if k else 0, resolution=(res / 2**k, res / 2**k), resolutionunit="CENTIMETER",
                      metadata=None)
+    return path
+
+
+def _write_ome_zarr(path: str, getters, rows: int, cols: int, tile: int, mpp: float) -> str:
+    import zarr
+
+    group = zarr.open_group(path, mode="w")
+    datasets = []
+    for k, get in enumerate(getters):
+        r, c = rows >> k, cols >> k
+        array = group.create_array(str(k), shape=(3, r * tile, c * tile), chunks=(3, tile, tile), dtype="uint8")
+        for i in range(r):
+            for j in range(c):
+                array[:, i * tile:(i + 1) * tile, j * tile:(j + 1) * tile] = get(i, j).transpose(2, 0, 1)
+        scale = mpp * 2**k
+        datasets.append({"path": str(k), "coordinateTransformations": [{"type": "scale", "scale": [1, scale, scale]}]})
+    axes = [{"name": "c", "type": "channel"}, {"name": "y", "type": "space", "unit": "micrometer"},
+            {"name": "x", "type": "space", "unit": "micrometer"}]
+    group.attrs["ome"] = {"version": "0.5", "multiscales": [{"axes": axes, "datasets": datasets}]}
     return path
