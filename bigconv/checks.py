@@ -9,10 +9,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
-LABEL_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
-
+from . import losses
 
 def check_input(x, check_finite: bool) -> None:
     if not isinstance(x, torch.Tensor):
@@ -37,15 +35,14 @@ def check_target(x, y, loss_fn: Callable, out_shape: tuple[int, ...]) -> None:
         raise ValueError(f"y must be a tensor of targets, got {type(y).__name__}; wrap labels with torch.tensor(...)")
     if y.dim() >= 1 and y.shape[0] != x.shape[0]:
         raise ValueError(f"x holds {x.shape[0]} images but y holds {y.shape[0]} targets; pass one target per image")
-    if isinstance(loss_fn, LABEL_LOSSES) and not y.is_floating_point() and len(out_shape) >= 2 and not y.is_meta:
+    if len(out_shape) >= 2 and not y.is_meta:
         # (target sources arrive as a meta stand-in: their labels are read, and checked, on the workers)
         _check_labels(y, loss_fn, out_shape[1])
     _check_loss_on_meta(y, loss_fn, out_shape, x.dtype)
 
 
-def _check_labels(y: torch.Tensor, loss_fn: nn.Module, classes: int) -> None:
-    labels = y[y != loss_fn.ignore_index]
-    bad = labels[(labels < 0) | (labels >= classes)]
+def _check_labels(y: torch.Tensor, loss_fn, classes: int) -> None:
+    bad = losses.labels_out_of_range(loss_fn, y, classes)
     if bad.numel():
         raise ValueError(
             f"class labels must lie in [0, {classes}) for a {type(loss_fn).__name__} on an output with {classes} "

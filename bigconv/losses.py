@@ -40,15 +40,25 @@ def target_shape_ok(loss_fn: Callable, out_shape: tuple[int, ...], target: torch
     return tuple(target.shape) == tuple(out_shape)
 
 
+LABEL_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
+"""Losses that take class indices."""
+
+
+def labels_out_of_range(loss_fn: nn.Module, target: torch.Tensor, classes: int) -> torch.Tensor:
+    """The class labels of ``target`` outside [0, classes) (``ignore_index`` aside); empty when all fit or
+    when ``loss_fn`` takes no class indices."""
+    if not isinstance(loss_fn, LABEL_LOSSES) or target.is_floating_point():
+        return target.new_empty(0)
+    labels = target[target != loss_fn.ignore_index]
+    return labels[(labels < 0) | (labels >= classes)]
+
+
 def check_labels_here(loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor) -> None:
     """Class labels read on a worker (target sources) lie in [0, classes), or a clear ValueError."""
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not target.is_floating_point():
-        classes = out.shape[1]
-        labels = target[target != loss_fn.ignore_index]
-        bad = labels[(labels < 0) | (labels >= classes)]
-        if bad.numel():
-            raise ValueError(f"the label maps hold {int(bad[0])}, outside [0, {classes}) for an output with {classes} "
-                             "classes; fix the label files or give the model as many outputs as classes")
+    bad = labels_out_of_range(loss_fn, target, out.shape[1])
+    if bad.numel():
+        raise ValueError(f"the label maps hold {int(bad[0])}, outside [0, {out.shape[1]}) for an output with "
+                         f"{out.shape[1]} classes; fix the label files or give the model as many outputs as classes")
 
 
 def shard_parts(loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float | None]:

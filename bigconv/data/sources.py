@@ -241,9 +241,9 @@ def read_batch(sources: Sequence[ImageSource], box: Box | None) -> torch.Tensor:
 
 def class_index_targets(batch: SourceBatch, loss_fn) -> bool:
     """Whether label-map sources feed a class-index loss (CrossEntropy/NLL), which takes (N, *spatial)."""
-    import torch.nn as nn
+    from ..losses import LABEL_LOSSES
 
-    return isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and not batch.dtype.is_floating_point \
+    return isinstance(loss_fn, LABEL_LOSSES) and not batch.dtype.is_floating_point \
         and batch.shape[1] == 1
 
 

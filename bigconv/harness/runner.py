@@ -25,7 +25,8 @@ import torch
 from bigconv.world import WORKER_ENV
 from bigconv.harness import registry
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The checkout's root: a fresh process started there imports this checkout's ``bigconv``."""
 MARK = "RECORD "
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
 

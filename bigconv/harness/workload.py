@@ -23,6 +23,7 @@ from bigconv.provenance import source_commit
 from bigconv.world import WORKER_ENV
 from bigconv.harness import recorder, registry
 from bigconv.harness.recorder import Recorder
+from bigconv.harness.runner import ROOT
 
 
 @dataclass(kw_only=True)
@@ -118,7 +119,7 @@ def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
     code = ("import json, sys; from bigconv.harness.workload import Workload, train_plain; "
             "w = Workload(**json.loads(sys.argv[1])); print(json.dumps(train_plain(w, int(sys.argv[2]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(w)), str(threads)], check=True, env=env,
-                         capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+                         capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
