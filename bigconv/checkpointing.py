@@ -32,9 +32,27 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from .executors import ShardExecutor
 from .sharding import ShardMode, active_mode, tree_flatten
-from .transport import WorkerFailure
+from .transport import WorkerFailure, numbered
 
 _ORIGINAL = torch_checkpoint.checkpoint
+
+
+class ReplayLink:
+    """Answers a recompute's exchanges from what its forward received, and sends nothing."""
+
+    def __init__(self, cache: dict) -> None:
+        self.cache = cache
+
+    def start(self, x: torch.Tensor, key: tuple, sends, recvs):
+        return x, [key + peer for peer in numbered([src for src, _ in recvs])]
+
+    def finish(self, keys: list, describe: str) -> list[torch.Tensor]:
+        try:
+            return [self.cache[k] for k in keys]
+        except KeyError:
+            raise WorkerFailure(
+                f"recomputing a checkpointed block asked for {describe}, which its forward never received: the "
+                "block is not deterministic; checkpoint only blocks that compute the same thing twice") from None
 
 
 class ReplayExecutor(ShardExecutor):
@@ -42,18 +60,7 @@ class ReplayExecutor(ShardExecutor):
 
     def __init__(self, base: ShardExecutor, start: int, cache: dict) -> None:
         self.__dict__.update(base.__dict__)
-        self.exchange, self.recorders, self.cache = start, [], cache
-
-    def _push(self, dst: int, key: tuple, tensor: torch.Tensor) -> None:
-        pass
-
-    def _take(self, src: int, key: tuple, describe: str) -> torch.Tensor:
-        try:
-            return self.cache[key]
-        except KeyError:
-            raise WorkerFailure(
-                f"recomputing a checkpointed block asked for {describe}, which its forward never received: the "
-                "block is not deterministic; checkpoint only blocks that compute the same thing twice") from None
+        self.exchange, self.recorders, self.link = start, [], ReplayLink(cache)
 
 
 @contextlib.contextmanager

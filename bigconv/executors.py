@@ -1,10 +1,11 @@
 """Executors: how windowed ops and global sums run, on real shards or in the driver's dry run.
 
-``ShardExecutor`` runs inside a worker. A windowed op pushes to every other shard exactly the part
-of its input that shard reads (distributed autograd's FAST mode needs every send to be consumed),
-convolves its own data into its whole output while halos are in flight, then adds the halos'
-contribution to the border slabs (convolution is linear). The output is cut the same way as every
-tensor: balanced over the grid.
+``ShardExecutor`` runs inside a worker or an SPMD rank. A windowed op starts an exchange that sends
+every other shard exactly the part of its input that shard reads (distributed autograd's FAST mode
+needs every send to be consumed), convolves its own data into its whole output while halos are in
+flight, then adds the halos' contribution to the border slabs (convolution is linear). The output is
+cut the same way as every tensor: balanced over the grid. Which transport carries the exchanges is
+the runtime's link (``bigconv.transport``): the executor only says what goes where.
 
 The driver's dry run (``bigconv.dry_run``) runs this same executor for every shard, on meta
 tensors, with an in-process transport: whatever a worker would raise, the dry run raises first.
@@ -27,30 +28,6 @@ from .geometry import (
 )
 from .index_maps import needed, runs
 from .sharding import UnsupportedOperation, mark
-
-
-class _SendPieces(torch.autograd.Function):
-    """``x`` itself, plus compact copies of the regions other shards need from it.
-
-    In backward the pieces' gradients are added in place into the gradient of ``x`` that the
-    convolution produced, so halos cost no second full-size gradient buffer (slicing would give
-    each piece its own full-size zero gradient).
-    """
-
-    @staticmethod
-    def forward(ctx, x, *indices):
-        ctx.indices, ctx.shape = indices, x.shape
-        pieces = tuple(x[index].clone(memory_format=torch.contiguous_format) for index in indices)
-        return (x.view_as(x),) + pieces
-
-    @staticmethod
-    def backward(ctx, grad_x, *grads):
-        # grad_x is the fresh buffer autograd accumulated for x's own use; nothing else holds it.
-        grad_x = grad_x if grad_x is not None else grads[0].new_zeros(ctx.shape)
-        for index, grad in zip(ctx.indices, grads):
-            if grad is not None:
-                grad_x[index] += grad
-        return (grad_x,) + (None,) * len(ctx.indices)
 
 
 class _AddInto(torch.autograd.Function):
@@ -168,6 +145,7 @@ class ShardExecutor:
         self.grid = grid
         self.call = call
         self.rt = transport.runtime()
+        self.link = transport.link_of(self.rt)
         self.coord = coord_of(self.rt.index, grid)
         self.exchange = 0
         self.recorders: list[dict] = []
@@ -176,35 +154,39 @@ class ShardExecutor:
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(b - a for a, b in shard_box(shape, self.grid, self.coord))
 
-    # Every message of a forward goes through these, keyed by (call, exchange, sender, ...).
+    # Every exchange of a forward goes through these; messages are keyed (call, exchange, sender, n).
     def _next_key(self) -> tuple[int, int]:
         self.exchange += 1
         return (self.call, self.exchange - 1)
 
-    def _push(self, dst: int, key: tuple, tensor: torch.Tensor) -> None:
-        transport.push(dst, key, tensor)
+    def _start(self, x: torch.Tensor, key: tuple, sends: list, recvs: list):
+        """Begin an exchange: ``sends`` (shard, index into x), ``recvs`` (shard, full shape)."""
+        x, pending = self.link.start(x, key, sends, recvs)
+        return x, (pending, key, [src for src, _ in recvs])
 
-    def _take(self, src: int, key: tuple, describe: str) -> torch.Tensor:
-        tensor = transport.take(src, key, describe)
+    def _finish(self, started, describe: str) -> list[torch.Tensor]:
+        pending, key, sources = started
+        tensors = self.link.finish(pending, describe)
         for cache in self.recorders:
-            cache[key] = tensor
-        return tensor
+            for (src, n), t in zip(transport.numbered(sources), tensors):
+                cache[key + (src, n)] = t
+        return tensors
 
     def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
         out_shape = check_output_fits(shape, windows, self.grid, where)
         key = self._next_key()
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
-        x = self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
+        x, started = self._start_halos(x, shape, windows, plan, my_box, key, first)
         own = own_padding(windows, my_box, plan.out_box)
         if own is None:
-            out = self._by_slabs(x, shape, windows, op, plan, my_box, key, first, where)
+            out = self._by_slabs(x, shape, windows, op, plan, my_box, started, first, where)
         else:
-            out = self._own_plus_halos(x, shape, windows, op, plan, my_box, own, key, first, where)
+            out = self._own_plus_halos(x, shape, windows, op, plan, my_box, own, started, first, where)
         return mark(out, out_shape)
 
-    def _own_plus_halos(self, x, shape, windows, op, plan: HaloPlan, my_box: Box, own, key, first, where):
+    def _own_plus_halos(self, x, shape, windows, op, plan: HaloPlan, my_box: Box, own, started, first, where):
         """Convolution is linear: conv(own data, zero-extended) + conv(halos only, no bias).
 
         The first term is the whole output, computed straight from the shard while halos are in
@@ -220,22 +202,22 @@ class ShardExecutor:
         reach = tuple((a if a > 0 else -(10**18), b if b < n else 10**18) for (a, b), n in zip(my_box, shape))
         inner_box = tuple(interior_interval(w, r) for w, r in zip(windows, reach))
         _, slabs, _ = slab_boxes(plan.out_box, inner_box)
+        sources = self._receive_halos(plan, x, my_box, started, where)  # also when no slab reads them
         if slabs:
-            sources = self._receive_halos(plan, x, my_box, key, where)
             for box in slabs:
                 delta = op(self._region(box, windows, shape, sources, first, own_as_zeros=True), bias=False)
                 out = _AddInto.apply(out, delta, lead + local_slices(box, plan.out_box))
         return out
 
-    def _by_slabs(self, x, shape, windows, op, plan: HaloPlan, my_box: Box, key, first, where):
+    def _by_slabs(self, x, shape, windows, op, plan: HaloPlan, my_box: Box, started, first, where):
         """General fallback (a shard whose outputs skip some of its own rows): interior + border slabs."""
         inner_box = tuple(interior_interval(w, own) for w, own in zip(windows, my_box))
         inner, slabs, layout = slab_boxes(plan.out_box, inner_box)
         parts: dict[tuple, torch.Tensor] = {}
         if inner is not None:  # computed while the halos are in flight
             parts[inner] = op(self._region(inner, windows, shape, {self.coord: (x, my_box)}, first))
+        sources = self._receive_halos(plan, x, my_box, started, where)
         if slabs:
-            sources = self._receive_halos(plan, x, my_box, key, where)
             for box in slabs:
                 parts[box] = op(self._region(box, windows, shape, sources, first))
         blocks = {tuple(iv[0] for iv in box): t for box, t in parts.items()}
@@ -246,39 +228,30 @@ class ShardExecutor:
         key = self._next_key()
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
-        x = self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
-        sources = self._receive_halos(plan, x, my_box, key, "the halo exchange")
+        x, started = self._start_halos(x, shape, windows, plan, my_box, key, first)
+        sources = self._receive_halos(plan, x, my_box, started, "the halo exchange")
         return self._region(plan.out_box, windows, shape, sources, first)
 
-    def _push_halos(self, x, shape, windows, my_box: Box, key, first: int) -> torch.Tensor:
-        """Push every other shard its part of ``x``; return ``x`` to use from here on."""
+    def _start_halos(self, x, shape, windows, plan: HaloPlan, my_box: Box, key, first: int):
+        """Send every other shard its part of ``x``, and post this shard's receives (from ``plan``).
+        Returns ``x`` to use from here on and the started exchange."""
         lead = (slice(None),) * first
-        targets, indices = [], []
+        sends = []
         for index, coord in enumerate(all_coords(self.grid)):
             if index == self.rt.index:
                 continue
             part = intersect(halo_plan(shape, self.grid, coord, windows).need, my_box)
             if part is not None:
-                targets.append(index)
-                indices.append(lead + local_slices(part, my_box))
-        if not targets:
-            return x
-        x, *pieces = _SendPieces.apply(x, *indices)
-        for index, piece in zip(targets, pieces):
-            self._push(index, key + (self.rt.index,), piece)
-        return x
+                sends.append((index, lead + local_slices(part, my_box)))
+        recvs = [(index_of(owner, self.grid), (*x.shape[:first], *(b - a for a, b in box)))
+                 for owner, box in plan.pieces() if owner != self.coord]
+        return self._start(x, key, sends, recvs)
 
-    def _receive_halos(self, plan: HaloPlan, x, my_box: Box, key, where: str) -> dict:
-        sources = {}
-        for owner, box in plan.pieces():
-            if owner == self.coord:
-                sources[owner] = (x, my_box)
-            else:
-                src = index_of(owner, self.grid)
-                what = f"halo {key[1]} of call {key[0]} for {where}"
-                sources[owner] = (self._take(src, key + (src,), what), box)
-        return sources
+    def _receive_halos(self, plan: HaloPlan, x, my_box: Box, started, where: str) -> dict:
+        key = started[1]
+        arrived = iter(self._finish(started, f"halo {key[1]} of call {key[0]} for {where}"))
+        return {owner: (x, my_box) if owner == self.coord else (next(arrived), box) for owner, box in plan.pieces()}
 
     def _region(self, out_box: Box, windows, shape, sources: dict, first: int, own_as_zeros: bool = False,
                 fill: float | None = 0.0):
@@ -317,13 +290,11 @@ class ShardExecutor:
     def allgather(self, partial: torch.Tensor, what: str = "partial sum") -> list[torch.Tensor]:
         """Every shard's ``partial``, in worker order, on every worker (differentiably)."""
         key = self._next_key()
-        for index in range(self.rt.workers):
-            if index != self.rt.index:
-                self._push(index, key + (self.rt.index,), partial)
-        return [
-            partial if i == self.rt.index else self._take(i, key + (i,), f"{what} {key[1]} of call {key[0]}")
-            for i in range(self.rt.workers)
-        ]
+        others = [i for i in range(self.rt.workers) if i != self.rt.index]
+        partial, started = self._start(partial, key, [(i, None) for i in others],
+                                       [(i, tuple(partial.shape)) for i in others])
+        arrived = iter(self._finish(started, f"{what} {key[1]} of call {key[0]}"))
+        return [partial if i == self.rt.index else next(arrived) for i in range(self.rt.workers)]
 
     def allsum(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every shard's ``partial``, in worker order so all replicas agree bit for bit."""
@@ -355,12 +326,13 @@ class ShardExecutor:
         key = self._next_key()
         first = x.dim() - len(self.grid)
         my_box = shard_box(shape, self.grid, self.coord)
-        x = self._push_halos(x, shape, windows, my_box, key, first)
         plan = halo_plan(shape, self.grid, self.coord, windows)
+        x, started = self._start_halos(x, shape, windows, plan, my_box, key, first)
         if any(a >= b for a, b in plan.need):
+            self._receive_halos(plan, x, my_box, started, where)  # its sends must still complete
             return op(None, plan)
         if not all(isinstance(w, Window) for w in windows):
-            sources = self._receive_halos(plan, x, my_box, key, where)
+            sources = self._receive_halos(plan, x, my_box, started, where)
             return op(self._region(plan.out_box, windows, shape, sources, first, fill=fill), plan)
         # Sliding windows: the interior reads a view of this shard (no copy of the input for
         # autograd to keep), the border slabs read small joined regions.
@@ -370,8 +342,8 @@ class ShardExecutor:
         if inner is not None:
             region = self._region(inner, windows, shape, {self.coord: (x, my_box)}, first, fill=fill)
             parts[inner] = op(region, _Part(inner))
+        sources = self._receive_halos(plan, x, my_box, started, where)
         if slabs:
-            sources = self._receive_halos(plan, x, my_box, key, where)
             for box in slabs:
                 parts[box] = op(self._region(box, windows, shape, sources, first, fill=fill), _Part(box))
         blocks = {tuple(iv[0] for iv in box): t for box, t in parts.items()}
@@ -395,34 +367,28 @@ class ShardExecutor:
             taps = [m.taps(o) for m, o in zip(maps, out_box)]
             return taps, [runs(needed(t), b) for t, b in zip(taps, bounds)]
 
-        targets, indices = [], []
+        sends = []
         for index, coord in enumerate(all_coords(self.grid)):
             if index == self.rt.index:
                 continue
             their_runs = wants(coord)[1]
             per_axis = [[iv for c, iv in axis_runs if c == mine] for axis_runs, mine in zip(their_runs, self.coord)]
-            for number, box in enumerate(itertools.product(*per_axis)):
-                targets.append((index, number))
-                indices.append(lead + local_slices(box, my_box))
-        if targets:
-            x, *pieces = _SendPieces.apply(x, *indices)
-            for (index, number), piece in zip(targets, pieces):
-                self._push(index, key + (self.rt.index, number), piece)
+            sends += [(index, lead + local_slices(box, my_box)) for box in itertools.product(*per_axis)]
 
         taps, my_runs = wants(self.coord)
-        counters: dict[tuple[int, ...], int] = {}
+        combos = list(itertools.product(*(list(enumerate(r)) for r in my_runs)))
+        recvs = []
+        for combo in combos:
+            owner = tuple(c for _, (c, _) in combo)
+            if owner != self.coord:
+                recvs.append((index_of(owner, self.grid), (*x.shape[:first], *(b - a for _, (_, (a, b)) in combo))))
+        x, started = self._start(x, key, sends, recvs)
+        arrived = iter(self._finish(started, f"index-map input {key[1]} of call {key[0]} for {where}"))
         blocks = {}
-        for combo in itertools.product(*(list(enumerate(r)) for r in my_runs)):
+        for combo in combos:
             owner = tuple(c for _, (c, _) in combo)
             box = tuple(iv for _, (_, iv) in combo)
-            if owner == self.coord:
-                piece = x[lead + local_slices(box, my_box)]
-            else:
-                src = index_of(owner, self.grid)
-                number = counters.get(owner, 0)
-                counters[owner] = number + 1
-                piece = self._take(src, key + (src, number), f"index-map input {key[1]} of call {key[0]} "
-                                                                  f"for {where}")
+            piece = x[lead + local_slices(box, my_box)] if owner == self.coord else next(arrived)
             blocks[tuple(i for i, _ in combo)] = piece
         region = nested_cat(blocks, [list(range(len(r))) for r in my_runs], first)
         local = []

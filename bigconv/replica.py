@@ -88,7 +88,7 @@ class Replica:
                 return None  # replicated inference output: worker 0's copy is enough
             return out.cpu()
         finally:
-            transport.flush()
+            transport.flush()  # RPC pushes
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         """``read``'s tensor: prefetched, or read now. ``read_s`` counts the time the step waited."""

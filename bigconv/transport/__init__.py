@@ -1,9 +1,15 @@
-"""Point-to-point tensor transport between workers: push over RPC into a mailbox.
+"""How shards exchange tensors: one interface, two transports.
 
-The owner of a region pushes it as soon as it is computed (one message, no round trip); the receiver
-takes it from its mailbox. Tensors that require grad carry a distributed-autograd send/recv pair, so
-the backward pass flows back to the owner inside the driver's context. Every wait has a timeout
-that names the sender, so a dead worker turns into an error, never a hang.
+The executor (``bigconv.executors``) describes every exchange the same way: which parts of a local
+tensor go to which shard, and which shapes arrive from which shard. A *link* carries it out:
+
+- ``rpc.RpcLink`` (the driver mode): each part is pushed over RPC into the receiver's mailbox at
+  once, and taken out when needed; distributed autograd carries gradients back.
+- ``p2p.P2PLink`` (the SPMD mode): each exchange is one ``batch_isend_irecv`` over a process group,
+  inside an autograd Function whose backward runs the adjoint exchange; local autograd only.
+
+Both start an exchange, let the executor compute what needs no halo, then finish it. The op rules
+never see which link runs them.
 """
 
 from __future__ import annotations
@@ -11,10 +17,9 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import torch
-import torch.distributed.rpc as rpc
 
 
 class WorkerFailure(RuntimeError):
@@ -78,6 +83,8 @@ class WorkerRuntime:
                                                  "read_s": 0.0, "read_bytes": 0, "prefetch_read_s": 0.0})
     send: Callable[[int, Hashable, torch.Tensor], None] | None = None
     """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
+    link: Any = None
+    """The link executors use; None: ``rpc.RpcLink`` (mailboxes). SPMD ranks set a ``p2p.P2PLink``."""
 
 
 _RUNTIME: WorkerRuntime | None = None
@@ -101,41 +108,45 @@ def set_runtime(rt: WorkerRuntime | None) -> None:
     _RUNTIME = rt
 
 
-def _deliver(key: Hashable, tensor: torch.Tensor) -> None:
-    runtime().mailbox.put(key, tensor)
+
+Send = tuple[int, Any]
+"""(destination shard, index into the local tensor; None for the whole tensor)."""
+Recv = tuple[int, Sequence[int]]
+"""(source shard, full shape of the tensor that arrives)."""
 
 
-def push(dst: int, key: Hashable, tensor: torch.Tensor) -> None:
-    """Send ``tensor`` to worker ``dst`` without waiting; errors surface in ``flush``."""
-    rt = runtime()
-    if rt.send is not None:
-        rt.send(dst, key, tensor)
-        return
-    # RPC pickles a view's whole storage, and halo transport stays on the host (CUDA tensors over
-    # RPC with distributed autograd are beta upstream), so send a compact CPU copy.
-    payload = tensor.to("cpu")
-    if payload._base is not None or not payload.is_contiguous():
-        payload = payload.clone(memory_format=torch.contiguous_format)
-    rt.stats["messages"] += 1
-    rt.stats["bytes"] += payload.numel() * payload.element_size()
-    rt.pending.append((dst, rpc.rpc_async(worker_name(dst), _deliver, args=(key, payload), timeout=rt.timeout)))
+class Link(Protocol):
+    """Carries out exchanges for one shard. Messages between one pair in one exchange are matched
+    in the order they are listed, on both sides."""
+
+    def start(self, x: torch.Tensor, key: tuple, sends: Sequence[Send], recvs: Sequence[Recv]) -> tuple:
+        """Begin exchange ``key``; return ``x`` to use from here on (it carries the backward of the
+        sends) and a pending handle."""
+
+    def finish(self, pending, describe: str) -> list[torch.Tensor]:
+        """The received tensors, in ``recvs`` order."""
 
 
-def take(src: int, key: Hashable, describe: str) -> torch.Tensor:
-    rt = runtime()
-    start = time.perf_counter()
-    tensor = rt.mailbox.take(key, rt.timeout, f"{describe} from {worker_name(src)} (on {worker_name(rt.index)})")
-    rt.stats["wait_s"] += time.perf_counter() - start
-    rt.stats["recv_bytes"] += tensor.numel() * tensor.element_size()
-    return tensor.to(rt.device)
+def numbered(peers: Sequence[int]) -> list[tuple[int, int]]:
+    """(peer, n): the n-th message with that peer in this exchange, to key or tag it."""
+    seen: dict[int, int] = {}
+    out = []
+    for peer in peers:
+        out.append((peer, seen.get(peer, 0)))
+        seen[peer] = seen.get(peer, 0) + 1
+    return out
+
+
+def link_of(rt: WorkerRuntime) -> Link:
+    if rt.link is not None:
+        return rt.link
+    from .rpc import RpcLink
+
+    return RpcLink(rt)
 
 
 def flush() -> None:
-    """Wait for this worker's pushes to be acknowledged; name the receiver of any that failed."""
-    rt = runtime()
-    pending, rt.pending = rt.pending, []
-    for dst, fut in pending:
-        try:
-            fut.wait()
-        except Exception as exc:
-            raise WorkerFailure(f"{worker_name(rt.index)} could not deliver to {worker_name(dst)}: {exc}") from exc
+    """Wait for this worker's RPC pushes to be acknowledged (see ``rpc.flush``)."""
+    from .rpc import flush as rpc_flush
+
+    rpc_flush()
