@@ -147,15 +147,16 @@ def from_lsf(env: Mapping[str, str]) -> LaunchInfo | None:
     )
 
 
-def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
-    """Parse the launcher environment, or explain which variables are missing."""
+def detect(env: Mapping[str, str] | None = None, min_size: int = 2) -> LaunchInfo:
+    """Parse the launcher environment, or explain which variables are missing. The driver mode needs
+    ``min_size=2`` (a driver and a worker); the SPMD mode runs on one rank too."""
     env = os.environ if env is None else env
     for parse in (from_torchrun, from_slurm, from_lsf):
         info = parse(env)
         if info is not None:
             if not 0 <= info.rank < info.world_size:
                 raise ValueError(f"{info.launcher}: rank {info.rank} is outside world size {info.world_size}")
-            if info.world_size < 2:
+            if info.world_size < min_size:
                 raise ValueError(
                     f"{info.launcher} started {info.world_size} process; bigconv needs a driver and at least "
                     "one worker, so launch at least 2 processes"

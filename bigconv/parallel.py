@@ -68,6 +68,7 @@ class ParallelModel:
         world.check_usable()
         check_modules(model)
         self.world = world
+        self.spatial_workers = world.workers
         self.grid = validate_grid(grid, world.workers) if grid is not None else None
         self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
         self.training = model.training
@@ -106,7 +107,7 @@ class ParallelModel:
                 f"i.e. {d + 2} dims; add a batch dim with x.unsqueeze(0) or check the grid"
             )
         shape = tuple(x.shape[2:])
-        grid = self.grid or choose_grid(shape, self.world.workers)
+        grid = self.grid or choose_grid(shape, self.spatial_workers)
         for axis, (n, g) in enumerate(zip(shape, grid)):
             if n < g:
                 raise ValueError(
@@ -309,11 +310,22 @@ class ParallelModel:
         return self.train(False)
 
 
-def parallelize(model: nn.Module, world: World, grid: tuple[int, ...] | None = None, *,
+def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *, replicas: int = 1,
                 check_finite: bool = False) -> ParallelModel:
     """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input).
+
+    On an SPMD world (``World.from_env(mode="spmd")``) every rank calls this with the same arguments;
+    ``replicas=R`` adds data parallelism: R copies of the spatial grid, each on an equal slice of the
+    batch, with ``prod(grid) * R`` equal to the world size. The driver mode has one replica.
 
     ``check_finite``: refuse inputs holding NaN or inf before sending them (off by default: it reads
     the whole batch once more).
     """
+    from .spmd import SpmdModel, SpmdWorld
+
+    if isinstance(world, SpmdWorld):
+        return SpmdModel(model, world, grid, replicas, check_finite)
+    if replicas != 1:
+        raise ValueError(f"replicas={replicas} needs an SPMD world (World.from_env(mode='spmd') under torchrun, "
+                         "srun or jsrun); a driver-mode World has one replica")
     return ParallelModel(model, world, grid, check_finite)

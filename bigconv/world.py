@@ -261,9 +261,14 @@ class World:
             raise errors[0]
 
     @classmethod
-    def from_env(cls, *, device: str = "auto", timeout: float = 300.0, exit_workers: bool = True,
-                 env: dict[str, str] | None = None) -> "World | None":
+    def from_env(cls, *, mode: str = "driver", device: str = "auto", timeout: float = 300.0,
+                 exit_workers: bool = True, env: dict[str, str] | None = None):
         """Join a world started by torchrun, srun or jsrun.
+
+        ``mode="spmd"``: every rank returns a ``bigconv.spmd.SpmdWorld`` and runs the rest of the
+        script itself (no driver; halos by point-to-point, see ``bigconv.spmd``).
+
+        ``mode="driver"`` (the default):
 
         Rank 0 returns the driver's ``World``. Every other rank serves until the driver shuts
         down, then exits the process (or returns None with ``exit_workers=False``), so a script
@@ -272,6 +277,12 @@ class World:
         every rank's RPC and gloo sockets listen on one interface: ``BIGCONV_IFNAME``, else
         ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``, else the one that routes to the launch address.
         """
+        if mode == "spmd":
+            from .spmd import SpmdWorld
+
+            return SpmdWorld.from_env(device=device, timeout=timeout, env=env)
+        if mode != "driver":
+            raise ValueError(f"mode must be 'driver' or 'spmd', got {mode!r}")
         info = launch_env.detect(env)
         threads = max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
         ifname = netbind.cluster_interface(info.master_addr, env)

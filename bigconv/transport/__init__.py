@@ -85,6 +85,10 @@ class WorkerRuntime:
     """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
     link: Any = None
     """The link executors use; None: ``rpc.RpcLink`` (mailboxes). SPMD ranks set a ``p2p.P2PLink``."""
+    replica: int = 0
+    replicas: int = 1
+    replica_link: Any = None
+    """Between the replicas of one shard position (SPMD with ``replicas > 1``): for batch statistics."""
 
 
 _RUNTIME: WorkerRuntime | None = None

@@ -1,0 +1,80 @@
+"""Start N local SPMD ranks, as torchrun would, and collect what each returns (tests, benchmarks).
+
+Each rank is a fresh process (``spawn``) with torchrun's variables set, calling ``fn(*args)``; the
+parent waits at most ``timeout`` seconds, then kills every rank still running and names them, so a
+hang in a rank is an error, never a hung test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+
+from ..netbind import listening_socket
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or ran past the timeout; the message names it."""
+
+
+def _free_port() -> int:
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def _entry(fn, args, rank: int, size: int, env: dict, results) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(size)})
+    try:
+        results.put((rank, "ok", fn(*args)))
+    except BaseException as exc:
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run(fn, ranks: int, args: tuple = (), *, timeout: float = 300.0, threads: int = 1,
+        env: dict | None = None) -> list:
+    """``fn(*args)`` on ``ranks`` local ranks; their return values in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    base = {"MASTER_ADDR": "127.0.0.1", "BIGCONV_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
+            **(env or {})}
+    procs = [ctx.Process(target=_entry, args=(fn, args, r, ranks, base, results), daemon=True,
+                         name=f"bigconv-spmd-rank{r}") for r in range(ranks)]
+    for p in procs:
+        p.start()
+    out, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < ranks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(ranks) if r not in out and r not in errors]
+                raise RankFailure(f"rank(s) {missing} did not finish within {timeout:g}s" +
+                                  (f"; first error: {next(iter(errors.values()))}" if errors else ""))
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                if dead:
+                    time.sleep(0.5)  # a result may still be in the pipe
+                    if results.empty():
+                        raise RankFailure(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") \
+                            from None
+                continue
+            (out if status == "ok" else errors)[rank] = value
+        if errors:
+            rank = min(errors)
+            raise RankFailure(f"rank {rank} failed: {errors[rank]}")
+        return [out[r] for r in range(ranks)]
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()

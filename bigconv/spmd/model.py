@@ -1,0 +1,287 @@
+"""``parallelize`` on an SPMD world: the driver mode's API, called by every rank with the same arguments.
+
+Each rank validates everything the driver would (types, grid, the dry run on meta tensors) before its
+first message, so bad input raises the same ``ValueError`` on every rank and nobody is left waiting.
+Then it runs its own shard of its replica's slice of the batch; no tensor the size of the batch is
+sent anywhere.
+
+- ``train_step`` returns the same loss on every rank; ``net(x)`` returns the full output on every rank
+  (gathered; use ``predict`` for outputs too large for that).
+- A loss per shard (``bigconv.losses``) is ``sum(numerators) / sum(denominators)`` over every rank; any
+  other loss sees the replicated output of the whole batch (replicas exchange their heads) and its
+  gradient is taken once per replica, on shard 0 (the other shards' copies pass zero gradients, so
+  their halo exchanges still run).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import checks, losses, saving
+from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch, target_stand_in
+from ..dry_run import meta_copy
+from ..executors import ShardExecutor, join_shards
+from ..geometry import balanced_bounds, shard_box, validate_grid
+from ..parallel import ParallelModel
+from ..replica import rng_state, set_rng_state
+from ..sharding import ModulePath, ShardMode, mark
+from ..support import check_modules, conv_dims
+from ..transport import WorkerRuntime, set_thread_runtime
+from ..transport.p2p import P2PLink
+from .buckets import GradBuckets
+from .world import SpmdWorld
+
+
+def check_layout(world: SpmdWorld, grid, replicas) -> tuple[tuple[int, ...] | None, int]:
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if world.size % replicas:
+        raise ValueError(f"replicas={replicas} does not divide the world's {world.size} ranks; prod(grid) * replicas "
+                         f"must equal the world size")
+    spatial = world.size // replicas
+    if grid is None:
+        return None, spatial
+    if not isinstance(grid, (tuple, list)) or not grid:
+        raise ValueError(f"grid must be a tuple with one entry per spatial dim, e.g. (2, 2); got {grid!r}")
+    if all(isinstance(g, int) and g > 0 for g in grid) and math.prod(grid) * replicas != world.size:
+        raise ValueError(f"grid {tuple(grid)} × replicas={replicas} is {math.prod(grid) * replicas} ranks but the world "
+                         f"has {world.size}; prod(grid) * replicas must equal the world size")
+    return validate_grid(grid, spatial), spatial
+
+
+class SpmdModel(ParallelModel):
+    def __init__(self, model: nn.Module, world: SpmdWorld, grid, replicas: int = 1, check_finite: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        world.check_usable()
+        self.grid, self.spatial_workers = check_layout(world, grid, replicas)
+        check_modules(model)
+        self.world, self.replicas = world, replicas
+        self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
+        self.training = model.training
+        self.check_finite = check_finite
+        self._meta = meta_copy(model)
+        self._plans = {}
+        self._call = 0
+        self.steps = 0
+        self.has_optimizer, self.optimizer_class, self.opt = False, None, None
+        self.mesh = world.mesh(replicas)
+        self.model = model.to(world.device)
+        self.path = ModulePath(self.model)
+        self.stats = {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0}
+        self.rt = WorkerRuntime(index=self.mesh.shard, workers=self.mesh.spatial, device=world.device,
+                                timeout=world.timeout, stats=self.stats)
+        self.rt.link = P2PLink(self.mesh.spatial_group, self.mesh.spatial_ranks, self.mesh.shard, world.timeout,
+                               self.stats)
+        with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.buckets = GradBuckets(params, None, world.timeout)
+
+    # -- this rank's part of a batch ----------------------------------------------------------------
+    def _my_items(self, n: int) -> tuple[int, int]:
+        if n < self.replicas:
+            raise ValueError(f"the batch has {n} images for {self.replicas} replicas; give every replica at least "
+                             "one image (a larger batch, or fewer replicas)")
+        return balanced_bounds(n, self.replicas)[self.mesh.replica]
+
+    def _coord(self, grid):
+        from ..geometry import coord_of
+
+        return coord_of(self.mesh.shard, grid)
+
+    def _local_input(self, plan, x) -> torch.Tensor:
+        lo, hi = self._my_items(len(x) if is_source_batch(x) else x.shape[0])
+        box = shard_box(plan.in_shape, plan.grid, self._coord(plan.grid))
+        if is_source_batch(x):
+            return ShardRead(tuple(x)[lo:hi], box).read()
+        index = (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box)
+        return x.detach()[index].contiguous()
+
+    def _local_target(self, plan, y, loss_fn) -> torch.Tensor:
+        lo, hi = self._my_items(len(y) if is_source_batch(y) else y.shape[0])
+        box = shard_box(plan.out_shape, plan.grid, self._coord(plan.grid))
+        if is_source_batch(y):
+            return ShardRead(tuple(y)[lo:hi], box, class_index_targets(SourceBatch(y), loss_fn)).read()
+        lead = (slice(lo, hi),) + (slice(None),) * (y.dim() - len(plan.grid) - 1)
+        return y[lead + tuple(slice(a, b) for a, b in box)]
+
+    def _forward(self, plan, x_local: torch.Tensor, grad: bool) -> torch.Tensor:
+        self._call += 1
+        self.path.stack.clear()
+        x = mark(x_local.to(self.world.device), plan.in_shape)
+        if grad == "input":
+            self.last_input = x.requires_grad_(True)
+        set_thread_runtime(self.rt)
+        try:
+            with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(plan.grid, self._call), self.path):
+                return self.model(x)
+        finally:
+            set_thread_runtime(None)
+
+    def _whole_batch_head(self, out: torch.Tensor) -> torch.Tensor:
+        """The replicated outputs of every replica, joined in batch order; only this replica's part
+        carries gradient (each replica's shard 0 takes the loss's gradient for its own images)."""
+        if self.replicas == 1:
+            return out
+        parts = [None] * self.replicas
+        dist.all_gather_object(parts, out.detach().cpu(), group=self.mesh.replica_group)
+        parts = [out if i == self.mesh.replica else p.to(out.device) for i, p in enumerate(parts)]
+        return torch.cat(parts)
+
+    # -- training API -----------------------------------------------------------------------------------
+    def optimizer(self, cls: type, **kwargs) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
+        self.opt = cls(self.model.parameters(), **kwargs)
+        self.has_optimizer, self.optimizer_class = True, saving.class_name(cls)
+
+    def _loss_and_backward(self, plan, x, y, loss_fn, grad) -> torch.Tensor:
+        y_seen = target_stand_in(y, loss_fn) if is_source_batch(y) else y
+        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
+        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
+            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
+        if is_source_batch(y) and not dense:
+            raise ValueError("targets given as sources need a dense output and a loss computed per shard; "
+                             "otherwise pass y as a tensor")
+        out = self._forward(plan, self._local_input(plan, x), grad)
+        if dense:
+            target = self._local_target(plan, y, loss_fn).to(out.device)
+            num, den = losses.shard_parts(loss_fn.to(out.device), out, target)
+            sums = torch.tensor([num.detach().double(), den or 0.0], dtype=torch.float64, device=out.device)
+            dist.all_reduce(sums)
+            total = sums[1].item() if den is not None else None
+            (num / total if total is not None else num).backward()
+            return sums[0] / total if total is not None else sums[0]
+        if plan.out_shape is not None:
+            raise ValueError("this loss is not computed per shard, so it needs the whole output map; bigconv's SPMD "
+                             "mode computes MSELoss, L1Loss, BCEWithLogitsLoss and CrossEntropyLoss per shard, or "
+                             "any loss on a replicated (pooled) output")
+        whole = self._whole_batch_head(out)
+        loss = loss_fn(whole, y.to(out.device))
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        if self.mesh.shard == 0:
+            loss.backward()
+        else:  # same graph, zero gradient: the halo exchanges of backward still need this rank
+            out.backward(torch.zeros_like(out))
+        return loss.detach()
+
+    def train_step(self, x, y, loss_fn: Callable) -> float:
+        if not self.has_optimizer:
+            raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+        plan = self.plan(x)
+        self.opt.zero_grad(set_to_none=True)
+        self.buckets.arm()
+        try:
+            loss = self._loss_and_backward(plan, x, y, loss_fn, True)
+        except BaseException:
+            self.buckets.reset()
+            raise
+        self.buckets.finish()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return float(loss)
+
+    def gradients(self, x, y, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
+        """The loss, the whole input gradient and the summed parameter gradients, on every rank."""
+        plan = self.plan(x)
+        self.model.zero_grad(set_to_none=True)
+        self.buckets.arm()
+        loss = self._loss_and_backward(plan, x, y, loss_fn, "input")
+        self.buckets.finish()
+        params = {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.model.zero_grad(set_to_none=True)
+        grad = self.last_input.grad
+        input_grad = self._gather_dense(plan, grad.detach() if grad is not None else torch.zeros_like(self.last_input))
+        return float(loss), input_grad, params
+
+    def _gather_dense(self, plan, local: torch.Tensor, grid=None) -> torch.Tensor:
+        """Every rank's shard, joined into the whole batch on every rank."""
+        parts = [None] * self.world.size
+        dist.all_gather_object(parts, local.detach().cpu())
+        s = self.mesh.spatial
+        replicas = [join_shards(parts[r * s:(r + 1) * s], grid or plan.grid) for r in range(self.replicas)]
+        return torch.cat(replicas)
+
+    def __call__(self, x) -> torch.Tensor:
+        """The full output, on every rank, without gradients."""
+        plan = self.plan(x)
+        out = self._forward(plan, self._local_input(plan, x), False)
+        if plan.out_shape is not None:
+            return self._gather_dense(plan, out)
+        if self.replicas == 1:
+            return out.cpu()
+        parts = [None] * self.replicas
+        dist.all_gather_object(parts, out.cpu(), group=self.mesh.replica_group)
+        return torch.cat(parts)
+
+    def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
+        """Each rank writes its own output region into the zarr array at ``out`` (see the driver mode's)."""
+        from ..data import outputs
+
+        plan = self.plan(x)
+        if plan.out_shape is None:
+            raise ValueError("predict writes a dense map, but this model's output is one vector per image; use net(x)")
+        chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
+        dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
+        if self.world.rank == 0:
+            outputs.create(str(out), plan.out_full_shape, chunks, dtype, overwrite)
+        self.world.barrier()
+        result = self._forward(plan, self._local_input(plan, x), False)
+        lo, hi = self._my_items(len(x) if is_source_batch(x) else x.shape[0])
+        box = shard_box(plan.out_shape, plan.grid, self._coord(plan.grid))
+        outputs.write(str(out), (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box), result.cpu().numpy())
+        self.world.barrier()
+        return str(out)
+
+    def prefetch(self, x, y=None, loss_fn=None) -> None:
+        """Reads happen in the step itself in this mode."""
+
+    # -- state --------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
+        parts = [None] * self.world.size
+        dist.all_gather_object(parts, self.state_dict())
+        return parts[: workers or self.world.size]
+
+    def save(self, path) -> str:
+        """Rank 0 writes the file (the driver mode's format); every rank returns once it is on disk."""
+        rngs = [None] * self.world.size
+        dist.all_gather_object(rngs, rng_state(torch.device("cpu")))
+        if self.world.rank == 0:
+            opt = saving.to_cpu(self.opt.state_dict()) if self.opt is not None else None
+            ck = saving.checkpoint(self.state_dict(), opt, self.optimizer_class, self.steps, rngs, self.world.size,
+                                   grid=list(self.grid) if self.grid else None)
+            saving.atomic_save(ck, path)
+        self.world.barrier()
+        return str(path)
+
+    def load(self, path) -> "SpmdModel":
+        path = str(path)
+        ck = saving.read(path)
+        saving.check_model_state(ck["model"], self._meta.state_dict(), path)
+        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"),
+                                     [len(list(self._meta.parameters()))], self.optimizer_class, path)
+        self.model.load_state_dict(ck["model"])
+        if ck.get("optimizer") is not None:
+            self.opt.load_state_dict(ck["optimizer"])
+        if ck.get("workers") == self.world.size:
+            set_rng_state(ck["rng"]["workers"][self.world.rank], torch.device("cpu"))
+        self.steps = int(ck.get("step", 0))
+        return self
+
+    def train(self, mode: bool = True) -> "SpmdModel":
+        self.training = mode
+        self.model.train(mode)
+        return self
+

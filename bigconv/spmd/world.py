@@ -1,0 +1,143 @@
+"""An SPMD world: one ``torch.distributed`` process group over every rank, and the rank mesh.
+
+Ranks are laid out replica-major: rank ``r * S + s`` holds shard ``s`` of replica ``r``, so each
+spatial group is a block of consecutive ranks (the ranks that exchange halos sit on one node when
+the launcher fills nodes in order) and each data-parallel group takes one shard position from every
+replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import launch_env, netbind
+from ..worker import pick_device
+
+log = logging.getLogger(__name__)
+STORE_PREFIX = "bigconv-spmd"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in a (replicas × spatial) mesh, with the groups it talks over."""
+
+    replicas: int
+    spatial: int
+    replica: int
+    """Which replica (batch slice) this rank works on."""
+    shard: int
+    """Which spatial shard of that replica's images this rank holds."""
+    spatial_ranks: tuple[int, ...]
+    spatial_group: object
+    replica_group: object
+    """The data-parallel group: this shard position in every replica."""
+
+
+class SpmdWorld:
+    """Every rank of a launched job, each calling the same code. Use as a context manager: leaving it
+    destroys the process group, also after an exception (the other ranks then fail fast instead of
+    waiting out their timeouts)."""
+
+    mode = "spmd"
+
+    def __init__(self, rank: int, size: int, local_rank: int, local_size: int, addr: str, port: int, *,
+                 device: str = "auto", timeout: float = 300.0, ifname: str | None = None) -> None:
+        if dist.is_initialized():
+            raise ValueError("torch.distributed is already initialised in this process; bigconv's SPMD world "
+                             "creates its own process group: call World.from_env(mode='spmd') before any "
+                             "init_process_group, or destroy that group first")
+        self.rank, self.size, self.local_rank = rank, size, local_rank
+        self.timeout = float(timeout)
+        self.device = pick_device(device, local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.threads = max(1, (os.cpu_count() or 1) // max(1, local_size))
+        self._closed = False
+        self._meshes: dict[int, Mesh] = {}
+        # Rank 0 hosts the store on the launch address only (never a wildcard); gloo binds where told.
+        if rank == 0:
+            self._store = netbind.host_store(addr, port, timeout)
+        else:
+            self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout))
+        with netbind.bound_to(ifname or netbind.cluster_interface(addr)):
+            # NCCL for CUDA tensors, gloo for CPU ones: halos and gradients take the tensor's own path.
+            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX, self._store), rank=rank,
+                                    world_size=size, timeout=timedelta(seconds=timeout))
+
+    @classmethod
+    def from_env(cls, *, device: str = "auto", timeout: float = 300.0, env=None) -> "SpmdWorld":
+        info = launch_env.detect(env, min_size=1)
+        return cls(info.rank, info.world_size, info.local_rank, info.local_world_size, info.master_addr, info.port,
+                   device=device, timeout=timeout, ifname=netbind.cluster_interface(info.master_addr, env))
+
+    @property
+    def workers(self) -> int:
+        return self.size
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_usable(self) -> None:
+        if self._closed:
+            from ..world import WorldClosedError
+
+            raise WorldClosedError("this SPMD world is closed; open a new one with World.from_env(mode='spmd')")
+
+    def mesh(self, replicas: int) -> Mesh:
+        """The (replicas × size/replicas) mesh; every rank must ask for the same meshes in the same order
+        (group creation is collective)."""
+        if replicas not in self._meshes:
+            spatial = self.size // replicas
+            mine = None
+            for r in range(replicas):  # every rank creates every group, in one order
+                ranks = list(range(r * spatial, (r + 1) * spatial))
+                group = dist.new_group(ranks) if replicas > 1 else dist.group.WORLD
+                if self.rank in ranks:
+                    mine = (r, ranks, group)
+            replica_group = None
+            for s in range(spatial):
+                ranks = list(range(s, self.size, spatial))
+                group = dist.new_group(ranks) if spatial > 1 else dist.group.WORLD
+                if self.rank % spatial == s:
+                    replica_group = group
+            r, ranks, group = mine
+            self._warm_up(group)
+            self._warm_up(replica_group)
+            self._meshes[replicas] = Mesh(replicas, spatial, r, self.rank % spatial, tuple(ranks), group,
+                                          replica_group)
+        return self._meshes[replicas]
+
+    def _warm_up(self, group) -> None:
+        # NCCL creates a communicator lazily, and its first batched point-to-point call must involve every
+        # rank of the group; a collective first creates it with everyone present.
+        t = torch.zeros(1, device=self.device)
+        dist.all_reduce(t, group=group)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a failed teardown must not hide the error that led here
+            log.warning("destroying the process group failed: %s", exc)
+
+    def __enter__(self) -> "SpmdWorld":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SpmdWorld(rank={self.rank}, size={self.size}, device={self.device})"
