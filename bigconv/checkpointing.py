@@ -61,6 +61,7 @@ class ReplayExecutor(ShardExecutor):
     def __init__(self, base: ShardExecutor, start: int, cache: dict) -> None:
         self.__dict__.update(base.__dict__)
         self.exchange, self.recorders, self.link = start, [], ReplayLink(cache)
+        self.replica_link = self.link
 
 
 @contextlib.contextmanager

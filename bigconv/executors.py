@@ -146,6 +146,7 @@ class ShardExecutor:
         self.call = call
         self.rt = transport.runtime()
         self.link = transport.link_of(self.rt)
+        self.replicas, self.replica_link = self.rt.replicas, self.rt.replica_link
         self.coord = coord_of(self.rt.index, grid)
         self.exchange = 0
         self.recorders: list[dict] = []
@@ -159,14 +160,15 @@ class ShardExecutor:
         self.exchange += 1
         return (self.call, self.exchange - 1)
 
-    def _start(self, x: torch.Tensor, key: tuple, sends: list, recvs: list):
+    def _start(self, x: torch.Tensor, key: tuple, sends: list, recvs: list, link=None):
         """Begin an exchange: ``sends`` (shard, index into x), ``recvs`` (shard, full shape)."""
-        x, pending = self.link.start(x, key, sends, recvs)
-        return x, (pending, key, [src for src, _ in recvs])
+        link = link or self.link
+        x, pending = link.start(x, key, sends, recvs)
+        return x, (pending, key, [src for src, _ in recvs], link)
 
     def _finish(self, started, describe: str) -> list[torch.Tensor]:
-        pending, key, sources = started
-        tensors = self.link.finish(pending, describe)
+        pending, key, sources, link = started
+        tensors = link.finish(pending, describe)
         for cache in self.recorders:
             for (src, n), t in zip(transport.numbered(sources), tensors):
                 cache[key + (src, n)] = t
@@ -287,14 +289,28 @@ class ShardExecutor:
             return region
         return F.pad(region, pad_spec(pad), value=fill)
 
-    def allgather(self, partial: torch.Tensor, what: str = "partial sum") -> list[torch.Tensor]:
-        """Every shard's ``partial``, in worker order, on every worker (differentiably)."""
+    def allgather(self, partial: torch.Tensor, what: str = "partial sum", shapes: Sequence | None = None
+                  ) -> list[torch.Tensor]:
+        """Every shard's ``partial``, in worker order, on every worker (differentiably). ``shapes[i]``:
+        shard i's shape, where they differ (default: all like this one)."""
         key = self._next_key()
         others = [i for i in range(self.rt.workers) if i != self.rt.index]
         partial, started = self._start(partial, key, [(i, None) for i in others],
-                                       [(i, tuple(partial.shape)) for i in others])
+                                       [(i, tuple(shapes[i] if shapes else partial.shape)) for i in others])
         arrived = iter(self._finish(started, f"{what} {key[1]} of call {key[0]}"))
         return [partial if i == self.rt.index else next(arrived) for i in range(self.rt.workers)]
+
+    def across_replicas(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every data-parallel replica's ``t`` (this shard position), in replica order (differentiably)."""
+        if self.replicas == 1:
+            return [t]
+        key = self._next_key()
+        me = self.rt.replica
+        others = [i for i in range(self.replicas) if i != me]
+        t, started = self._start(t, key, [(i, None) for i in others], [(i, tuple(t.shape)) for i in others],
+                                 link=self.replica_link)
+        arrived = iter(self._finish(started, f"{what} {key[1]} of call {key[0]} across replicas"))
+        return [t if i == me else next(arrived) for i in range(self.replicas)]
 
     def allsum(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every shard's ``partial``, in worker order so all replicas agree bit for bit."""
@@ -314,7 +330,9 @@ class ShardExecutor:
 
     def gather_all(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """The whole tensor on every worker, for maps too small to split over the grid."""
-        return join_shards(self.allgather(x, "whole-map gather"), self.grid)
+        first = x.dim() - len(self.grid)
+        shapes = [(*x.shape[:first], *(b - a for a, b in shard_box(shape, self.grid, c))) for c in all_coords(self.grid)]
+        return join_shards(self.allgather(x, "whole-map gather", shapes), self.grid)
 
     def region_op(self, x, shape, windows, op: Callable, where: str, fill: float | None = 0.0):
         """A windowed op that is not linear (pooling) or not a plain window (transposed conv).

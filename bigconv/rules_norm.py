@@ -90,6 +90,15 @@ def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_
     total = sum(counts)
     mean_all = sum(n * p[0] for n, p in zip(counts, parts)) / total
     m2_all = sum(p[1] + n * (p[0] - mean_all).square() for n, p in zip(counts, parts))
+    if 0 in count_dims and mode.executor.replicas > 1:
+        # Batch statistics span the whole batch, which data-parallel replicas split: combine theirs too
+        # (what SyncBatchNorm does, here exact and in replica order on every rank).
+        stats = torch.stack([mean_all, m2_all, torch.full_like(mean_all, total)])
+        per = mode.executor.across_replicas(stats, "batch statistics")
+        total_t = sum(p[2] for p in per)
+        mean_all = sum(p[2] * p[0] for p in per) / total_t
+        m2_all = sum(p[1] + p[2] * (p[0] - mean_all).square() for p in per)
+        total = float(total_t.reshape(-1)[0])
     return mean_all, m2_all / total, total
 
 

@@ -13,7 +13,7 @@ import torch
 
 from .data.sources import SourceBatch, is_source_batch, read_targets
 from .parallel import parallelize
-from .world import World
+from .world import World  # or an SPMD world
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,17 +33,18 @@ def _scale(t: torch.Tensor) -> float:
 
 def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                      grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
-                     **opt_kwargs) -> dict:
+                     replicas: int = 1, **opt_kwargs) -> dict:
     """Errors of the distributed forward, losses and weights after ``steps`` optimizer steps.
 
     ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
-    single process gets the same pixels read whole.
+    single process gets the same pixels read whole. On an SPMD world every rank calls this with the
+    same arguments (``replicas`` as in ``parallelize``) and gets the same answer.
     """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
     xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
     yt = read_targets(y, loss_fn) if is_source_batch(y) else y  # gradients() takes targets as a tensor
     reference = copy.deepcopy(model)
-    net = parallelize(model, world, grid=grid)
+    net = parallelize(model, world, grid=grid, replicas=replicas)
     out = net(x)
     with torch.no_grad():
         ref_out = reference(xt)

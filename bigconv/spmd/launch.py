@@ -38,8 +38,12 @@ def _entry(fn, args, rank: int, size: int, env: dict, results) -> None:
 
 
 def run(fn, ranks: int, args: tuple = (), *, timeout: float = 300.0, threads: int = 1,
-        env: dict | None = None) -> list:
-    """``fn(*args)`` on ``ranks`` local ranks; their return values in rank order."""
+        env: dict | None = None, partial: bool = False) -> list:
+    """``fn(*args)`` on ``ranks`` local ranks; their return values in rank order.
+
+    With ``partial``, a rank that raised or died gives a ``RankFailure`` in its place instead of
+    raising (to test failures); the timeout holds either way.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     base = {"MASTER_ADDR": "127.0.0.1", "BIGCONV_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
@@ -64,10 +68,14 @@ def run(fn, ranks: int, args: tuple = (), *, timeout: float = 300.0, threads: in
                 if dead:
                     time.sleep(0.5)  # a result may still be in the pipe
                     if results.empty():
-                        raise RankFailure(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") \
-                            from None
+                        if not partial:
+                            raise RankFailure(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") \
+                                from None
+                        errors.update({r: f"died with exit code {procs[r].exitcode}" for r in dead})
                 continue
             (out if status == "ok" else errors)[rank] = value
+        if partial:
+            return [out[r] if r in out else RankFailure(f"rank {r}: {errors[r]}") for r in range(ranks)]
         if errors:
             rank = min(errors)
             raise RankFailure(f"rank {rank} failed: {errors[rank]}")

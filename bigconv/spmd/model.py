@@ -78,6 +78,10 @@ class SpmdModel(ParallelModel):
                                 timeout=world.timeout, stats=self.stats)
         self.rt.link = P2PLink(self.mesh.spatial_group, self.mesh.spatial_ranks, self.mesh.shard, world.timeout,
                                self.stats)
+        if replicas > 1:
+            self.rt.replica, self.rt.replicas = self.mesh.replica, replicas
+            self.rt.replica_link = P2PLink(self.mesh.replica_group, self.mesh.replica_ranks, self.mesh.replica,
+                                           world.timeout, self.stats)
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(t.data, src=0)

@@ -37,6 +37,7 @@ class Mesh:
     spatial_group: object
     replica_group: object
     """The data-parallel group: this shard position in every replica."""
+    replica_ranks: tuple[int, ...]
 
 
 class SpmdWorld:
@@ -52,6 +53,9 @@ class SpmdWorld:
             raise ValueError("torch.distributed is already initialised in this process; bigconv's SPMD world "
                              "creates its own process group: call World.from_env(mode='spmd') before any "
                              "init_process_group, or destroy that group first")
+        from ..checkpointing import install
+
+        install()  # torch.utils.checkpoint.checkpoint replays halos in its recompute (bigconv.checkpointing)
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout = float(timeout)
         self.device = pick_device(device, local_rank)
@@ -102,17 +106,17 @@ class SpmdWorld:
                 group = dist.new_group(ranks) if replicas > 1 else dist.group.WORLD
                 if self.rank in ranks:
                     mine = (r, ranks, group)
-            replica_group = None
+            replica_group, replica_ranks = None, None
             for s in range(spatial):
                 ranks = list(range(s, self.size, spatial))
                 group = dist.new_group(ranks) if spatial > 1 else dist.group.WORLD
                 if self.rank % spatial == s:
-                    replica_group = group
+                    replica_group, replica_ranks = group, tuple(ranks)
             r, ranks, group = mine
             self._warm_up(group)
             self._warm_up(replica_group)
             self._meshes[replicas] = Mesh(replicas, spatial, r, self.rank % spatial, tuple(ranks), group,
-                                          replica_group)
+                                          replica_group, replica_ranks)
         return self._meshes[replicas]
 
     def _warm_up(self, group) -> None:

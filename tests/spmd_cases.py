@@ -1,0 +1,239 @@
+"""What each SPMD rank runs for ``tests/test_spmd.py``: named cases, each against one process.
+
+Every rank opens one SPMD world and runs a list of cases in it (spawning ranks costs seconds on 2
+cores, so one spawn serves many cases). A case returns the errors of ``compare_training`` (or its
+own measurements); an exception is returned as its text, so one failing case does not hide the
+others. Ranks seed alike, so every rank builds the same model and batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+import bigconv
+from bigconv.models import CNN1D, CNN2D, CNN3D, FCN2D
+from bigconv.verify import compare_training
+
+KEYS = ("forward", "input_grad", "param_grads", "loss", "weights")
+
+
+def _compare(factory, shape, grid, loss_fn=None, target=None, replicas=1, seed=0, **kw):
+    def run(world):
+        torch.manual_seed(seed)
+        model = factory().double()
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        y = target(g) if target else torch.randint(0, 3, (shape[0],), generator=g)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            r = compare_training(model, world, x, y, loss_fn or nn.CrossEntropyLoss(), grid=grid,
+                                 replicas=replicas, **kw)
+        r.pop("net")
+        return r
+    return run
+
+
+def _layer_cases():
+    import test_layers as tl
+    import test_model_patterns as tp
+
+    cases = {}
+    for name, f in tl.LAYERS_1D:
+        cases[f"layer/{name}/(2,)"] = (2, _compare(f, (2, 1, 21), (2,)))
+    for name, f in tl.LAYERS_2D:
+        cases[f"layer/{name}/(2,2)"] = (4, _compare(f, (2, 1, 14, 15), (2, 2)))
+        if "layernorm" not in name:
+            cases[f"layer/{name}/(1,2)"] = (2, _compare(f, (2, 1, 13, 10), (1, 2)))
+    for name, f in tl.LAYERS_3D:
+        cases[f"layer/{name}/(2,1,2)"] = (4, _compare(f, (2, 1, 8, 6, 10), (2, 1, 2)))
+    for name, cls in tp.PATTERNS.items():
+        cases[f"pattern/{name}/1d"] = (2, _compare(lambda c=cls: c(1), (2, 1, 37), (2,), target=_dense_ce((2, 1, 37))))
+        cases[f"pattern/{name}/2d"] = (4, _compare(lambda c=cls: c(2), (2, 1, 19, 22), (2, 2),
+                                                   target=_dense_ce((2, 1, 19, 22))))
+    cases["skip/unet/(2,2)"] = (4, _compare(lambda: tl.UNetLike(2), (2, 1, 16, 18), (2, 2), nn.MSELoss(),
+                                            lambda g: torch.randn(2, 3, 16, 18, generator=g, dtype=torch.float64)))
+    return cases
+
+
+class Thin(nn.Module):
+    """7×7 and dilated 5×5 convolutions on shards thinner than their halos."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 3, 7, padding=3), nn.Tanh(), nn.Conv2d(3, 3, 5, padding=4, dilation=2),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing as users write it (the recompute must not exchange halos again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 4, 3, padding=1), nn.Tanh())
+        self.head = nn.Sequential(nn.Conv2d(4, 4, 3, stride=2), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+                                  nn.Linear(4, 3))
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+
+
+def _dense_ce(shape):
+    return lambda g: torch.randint(0, 3, (shape[0], *shape[2:]), generator=g)
+
+
+CASES: dict = {
+    "cnn1d/(2,)/uneven": (2, _compare(lambda: CNN1D(in_channels=1, num_classes=3), (2, 1, 37), (2,))),
+    "cnn2d/(2,1)": (2, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (2, 1, 19, 22), (2, 1))),
+    "cnn2d/(1,2)/sum": (2, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (2, 1, 19, 22), (1, 2),
+                                    nn.CrossEntropyLoss(reduction="sum"))),
+    "cnn3d/(2,1,1)": (2, _compare(lambda: CNN3D(in_channels=1, num_classes=3), (2, 1, 9, 8, 7), (2, 1, 1))),
+    "thin/(1,2)": (2, _compare(Thin, (2, 1, 9, 5), (1, 2))),
+    "thin/(4,1)": (4, _compare(Thin, (2, 1, 9, 8), (4, 1))),
+    "checkpoint/(2,1)": (2, _compare(Checkpointed, (2, 1, 12, 11), (2, 1))),
+    "fcn2d/ce-per-pixel/(2,2)": (4, _compare(lambda: FCN2D(1, 3, width=4, depth=3), (2, 1, 24, 16), (2, 2),
+                                             target=_dense_ce((2, 1, 24, 16)))),
+    "cnn2d/(2,2)/uneven": (4, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (2, 1, 11, 9), (2, 2))),
+    "cnn3d/(1,2,2)": (4, _compare(lambda: CNN3D(in_channels=1, num_classes=3), (2, 1, 7, 9, 8), (1, 2, 2))),
+    # Hybrid spatial × data parallel: the full batch's loss and gradients, mean and sum alike.
+    "hybrid/R2/(2,1)": (4, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (4, 1, 19, 22), (2, 1),
+                                    replicas=2)),
+    "hybrid/R2/(1,2)/sum": (4, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (4, 1, 19, 22), (1, 2),
+                                        nn.CrossEntropyLoss(reduction="sum"), replicas=2)),
+    "hybrid/R2/(1,2)/uneven-batch": (4, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (3, 1, 13, 10),
+                                                 (1, 2), replicas=2)),
+    "hybrid/R2/(2,1)/batchnorm": (4, _compare(lambda: nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+        nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)),
+        (4, 1, 14, 15), (2, 1), replicas=2)),
+    "hybrid/R2/(1,2)/fcn-per-pixel": (4, _compare(lambda: FCN2D(1, 3, width=4, depth=3), (4, 1, 24, 16),
+                                                  (1, 2), target=_dense_ce((4, 1, 24, 16)), replicas=2)),
+    "hybrid/R4/(1,1)": (4, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (4, 1, 12, 12), (1, 1), replicas=4)),
+}
+
+
+def zoo_cases() -> dict:
+    from zoo import ZOO
+
+    cases = {}
+    for e in ZOO:
+        if e.fast and e.expect == "exact":
+            def run(world, e=e):
+                torch.manual_seed(0)
+                model = e.build().double()
+                x, y = e.inputs(torch.Generator().manual_seed(1))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=e.grid)
+                r.pop("net")
+                return r
+            cases[f"zoo/{e.name}"] = (e.workers, run)
+    return cases
+
+
+def all_cases() -> dict:
+    return {**CASES, **_layer_cases()}
+
+
+def adjoint(world) -> dict:
+    """⟨F x, y⟩ = ⟨x, Fᵀ y⟩ for the P2P halo exchange alone: F gathers each shard's padded window
+    (a 5×3 kernel's, on an uneven 3-D grid), Fᵀ is what its backward computes."""
+    from bigconv.executors import ShardExecutor
+    from bigconv.geometry import Window, shard_box, all_coords
+    from bigconv.sharding import mark
+    from bigconv.transport import WorkerRuntime, set_thread_runtime
+    from bigconv.transport.p2p import P2PLink
+    import torch.distributed as dist
+
+    grid, shape = (2, 2), (11, 9)
+    mesh = world.mesh(1)
+    rt = WorkerRuntime(index=mesh.shard, workers=4, device=world.device, timeout=world.timeout)
+    rt.link = P2PLink(mesh.spatial_group, mesh.spatial_ranks, mesh.shard, world.timeout, rt.stats)
+    box = shard_box(shape, grid, list(all_coords(grid))[mesh.shard])
+    g = torch.Generator().manual_seed(100 + world.rank)
+    x = torch.randn(2, 3, *(b - a for a, b in box), generator=g, dtype=torch.float64, requires_grad=True)
+    windows = [Window(5, 1, 1, 2, 2), Window(3, 1, 1, 1, 1)]
+    set_thread_runtime(rt)
+    try:
+        # The exchange alone, called as a rule calls it (outside the mode's dispatch).
+        fx = ShardExecutor(grid, 1).gather_window(mark(x, shape), shape, windows)
+    finally:
+        set_thread_runtime(None)
+    y = torch.randn(fx.shape, generator=g, dtype=torch.float64)
+    (fty,) = torch.autograd.grad(fx, x, y)
+    sums = torch.stack([(fx.detach() * y).sum(), (x.detach() * fty).sum()])
+    dist.all_reduce(sums)
+    return {"lhs": sums[0].item(), "rhs": sums[1].item(), "window": tuple(fx.shape),
+            "messages": rt.stats["messages"]}
+
+
+def bad_input(world) -> dict:
+    """Each bad call must raise ValueError on every rank before any message."""
+    out = {}
+    for label, call in {
+        "grid-times-replicas": lambda: bigconv.parallelize(CNN2D(in_channels=1), world, grid=(2, 2), replicas=2),
+        "replicas-not-dividing": lambda: bigconv.parallelize(CNN2D(in_channels=1), world, replicas=3),
+        "replicas-not-int": lambda: bigconv.parallelize(CNN2D(in_channels=1), world, replicas=0),
+        "too-few-images": lambda: bigconv.parallelize(CNN2D(in_channels=1), world, grid=(1, 1), replicas=world.size
+                                                      )(torch.randn(1, 1, 8, 8)),
+    }.items():
+        try:
+            call()
+            out[label] = "no error"
+        except ValueError as exc:
+            out[label] = str(exc)
+        except Exception as exc:
+            out[label] = f"wrong type {type(exc).__name__}: {exc}"
+    return out
+
+
+def run_cases(names: list[str], timeout: float = 60.0) -> dict:
+    torch.set_num_threads(1)
+    table = {**all_cases(), **zoo_cases(), "adjoint": (4, adjoint), "bad_input": (2, bad_input)}
+    results = {}
+    with bigconv.World.from_env(mode="spmd", timeout=timeout) as world:
+        for name in names:
+            start = time.perf_counter()
+            try:
+                results[name] = table[name][1](world)
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+            if isinstance(results[name], dict):
+                results[name]["seconds"] = time.perf_counter() - start
+    return results
+
+
+def case_sizes() -> dict[str, int]:
+    table = {**all_cases(), **zoo_cases(), "adjoint": (4, adjoint), "bad_input": (2, bad_input)}
+    return {name: n for name, (n, _) in table.items()}
+
+
+# -- failures -------------------------------------------------------------------------------------------
+def failing_rank(how: str, timeout: float) -> dict:
+    """Rank 1 dies (``kill``) or stalls (``stall``) in the middle of a forward; rank 0 reports how long
+    it took to raise, and what."""
+    world = bigconv.World.from_env(mode="spmd", timeout=timeout)
+    net = bigconv.parallelize(CNN2D(in_channels=1, num_classes=3), world, grid=(2, 1))
+    net.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(2, 1, 32, 32), torch.tensor([0, 1])
+    net.train_step(x, y, nn.CrossEntropyLoss())  # a healthy step first
+    if world.rank == 1:
+        if how == "kill":
+            os._exit(3)
+        time.sleep(timeout * 3)
+        return {"stalled": True}
+    start = time.monotonic()
+    try:
+        net.train_step(x, y, nn.CrossEntropyLoss())
+        return {"error": None}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    finally:
+        world.close()

@@ -1,0 +1,87 @@
+"""The SPMD mode against one process: every case of ``tests/spmd_cases.py`` on spawned gloo ranks.
+
+One spawn per world size runs all of that size's cases (session fixtures), with a hard timeout;
+each test then checks its case's errors. Forward, input gradient, parameter gradients, losses and
+weights after two SGD-momentum steps must match one process to 1e-9 in float64, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # the ranks import spmd_cases, test_layers and zoo from here
+import spmd_cases  # noqa: E402
+
+from bigconv.spmd import launch  # noqa: E402
+
+TOL = 1e-9
+SIZES = spmd_cases.case_sizes()
+
+
+class Runs:
+    def __init__(self) -> None:
+        self.done: dict[int, list[dict]] = {}
+
+    def get(self, size: int) -> list[dict]:
+        if size not in self.done:
+            names = [n for n, s in SIZES.items() if s == size]
+            self.done[size] = launch.run(spmd_cases.run_cases, size, (names,), timeout=600)
+        return self.done[size]
+
+
+@pytest.fixture(scope="session")
+def spmd_runs():
+    return Runs()
+
+
+def _result(spmd_runs, name):
+    per_rank = spmd_runs.get(SIZES[name])
+    for rank, results in enumerate(per_rank):
+        assert isinstance(results[name], dict), f"rank {rank}: {results[name]}"
+    return per_rank
+
+
+EQUIVALENCE = sorted(n for n in SIZES if n not in ("adjoint", "bad_input"))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", EQUIVALENCE)
+def test_matches_single_process(spmd_runs, name):
+    per_rank = _result(spmd_runs, name)
+    for rank, results in enumerate(per_rank):
+        r = results[name]
+        assert r["keys_match"] and r["replicas_equal"], (rank, r)
+        for key in spmd_cases.KEYS:
+            assert r[key] <= TOL, (rank, key, r)
+    # The same answer on every rank.
+    assert len({tuple(results[name][k] for k in spmd_cases.KEYS) for results in per_rank}) == 1
+
+
+@pytest.mark.timeout(900)
+def test_halo_exchange_is_its_own_adjoint(spmd_runs):
+    r = _result(spmd_runs, "adjoint")[0]["adjoint"]
+    assert r["messages"] > 0
+    assert abs(r["lhs"] - r["rhs"]) <= 1e-12 * abs(r["lhs"]), r
+
+
+@pytest.mark.timeout(900)
+def test_bad_layouts_refused_on_every_rank(spmd_runs):
+    for results in _result(spmd_runs, "bad_input"):
+        r = results["bad_input"]
+        assert "prod(grid) * replicas" in r["grid-times-replicas"], r
+        assert "does not divide" in r["replicas-not-dividing"], r
+        assert "positive integer" in r["replicas-not-int"], r
+        assert "at least one image" in r["too-few-images"], r
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_dead_or_stalled_rank_is_an_error_naming_it(how):
+    timeout = 8.0
+    r0, r1 = launch.run(spmd_cases.failing_rank, 2, (how, timeout), timeout=90, partial=True)
+    assert isinstance(r0, dict) and r0["error"], r0
+    assert "rank 1" in r0["error"], r0["error"]
+    assert r0["seconds"] <= timeout + 10, r0
