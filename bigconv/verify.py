@@ -18,13 +18,13 @@ from .world import World  # or an SPMD world
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max-norm error of ``a`` relative to the max-norm of the reference ``b``."""
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     scale = b.abs().max().item() if b.numel() else 0.0
     return (a - b).abs().max().item() / max(scale, 1e-300) if b.numel() else 0.0
 
 
 def abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.detach().double() - b.detach().double()).abs().max().item() if b.numel() else 0.0
+    return (a.detach().double().cpu() - b.detach().double().cpu()).abs().max().item() if b.numel() else 0.0
 
 
 def _scale(t: torch.Tensor) -> float:

@@ -12,6 +12,11 @@ per step.
 Time: the best of ``--steps`` steps with 2 workers of 1 thread each, and 1 worker of 1 thread,
 against plain PyTorch with 1 thread. Targets: speedup >= 1.6 (stretch 1.8); overhead <= 1.15.
 
+``--mode spmd`` measures the SPMD mode instead (ranks spawned as torchrun would, halos by gloo
+point-to-point, no driver): the same memory table on 1, 2 and 4 ranks (target single/(N·peak) >= 0.95),
+and step times of 1 and 2 ranks of 1 thread against plain PyTorch with 1 thread (targets: overhead
+<= 1.05, speedup >= 1.8), with the driver mode's 2 workers measured in the same run for comparison.
+
 Prints a markdown table and appends one JSON line per measurement to ``--out``.
 """
 
@@ -25,6 +30,7 @@ from dataclasses import asdict
 
 import bigconv
 from bigconv.world import WORKER_ENV
+from bigconv.harness.spmd_workload import train_spmd
 from bigconv.harness.workload import Workload, environment, plain_in_fresh_process, train_distributed
 
 MiB = 2**20
@@ -67,6 +73,60 @@ def time_rows(w: Workload, single: dict, out: str, base: dict) -> list[str]:
     return rows
 
 
+def spmd_memory_rows(w: Workload, ranks: list[int], single: dict, out: str, base: dict) -> list[str]:
+    rows = []
+    for n in ranks:
+        r = train_spmd(w, n, threads=max(1, (os.cpu_count() or 1) // n))
+        peaks = [m["peak_bytes"] for m in r["per_rank"]]
+        ratio = single["peak_bytes"] / (n * max(peaks))
+        append(out, {**base, "kind": "memory", "mode": "spmd", "ranks": n, "grid": r["grid"], "per_rank": r["per_rank"],
+                     "peak_bytes_max": max(peaks), "single_peak_bytes": single["peak_bytes"],
+                     "single_over_n_peak": ratio, "meets_target": ratio >= 0.95 or n == 1})
+        rows.append(f"| {n} | {tuple(r['grid'])} | {max(peaks) / MiB:.1f} | {single['peak_bytes'] / n / MiB:.1f} | "
+                    f"{ratio:.3f} |")
+    return rows
+
+
+def spmd_time_rows(w: Workload, single: dict, out: str, base: dict) -> list[str]:
+    rows = [f"| plain PyTorch, 1 thread | {single['step_s']:.3f} | {max(single['step_times_s']):.3f} | 1.00 | |"]
+    runs = [(1, "spmd", "SPMD, 1 rank x 1 thread (overhead)"), (2, "spmd", "SPMD, 2 ranks x 1 thread (speedup)"),
+            (2, "rpc", "driver mode, 2 workers x 1 thread (same run)")]
+    for n, mode, label in runs:
+        if mode == "spmd":
+            r = train_spmd(w, n, threads=1)
+            waits = [p["stats"]["wait_s"] / (w.steps + 1) for p in r["per_rank"]]
+        else:
+            with bigconv.World(workers=n, threads_per_worker=1) as world:
+                r = train_distributed(w, world)
+            waits = []
+        ratio = single["step_s"] / r["step_s"]
+        append(out, {**base, "kind": "time", "mode": mode, "workers": n, "threads_per_worker": 1, "grid": r["grid"],
+                     "step_s": r["step_s"], "step_times_s": r["step_times_s"], "single_step_s": single["step_s"],
+                     "speedup": ratio, "halo_wait_s_per_step": waits})
+        wait = f"{max(waits):.3f}" if waits else "n/a"
+        rows.append(f"| {label} | {r['step_s']:.3f} | {max(r['step_times_s']):.3f} | {ratio:.2f} | {wait} |")
+    return rows
+
+
+def main_spmd(args, w: Workload, base: dict) -> None:
+    base = {**base, "bench": "core-spmd"}
+    single_mem = plain_in_fresh_process(w, threads=max(1, os.cpu_count() or 1))
+    print("\n| ranks | grid | per-rank peak (MiB) | single / N (MiB) | single / (N·peak) |")
+    print("|---|---|---|---|---|")
+    for row in spmd_memory_rows(w, [int(n) for n in args.workers.split(",")], single_mem, args.out, base):
+        print(row, flush=True)
+    print(f"\nsingle process peak: {single_mem['peak_bytes'] / MiB:.1f} MiB")
+    if args.skip_time:
+        return
+    single_time = plain_in_fresh_process(w, threads=1)
+    append(args.out, {**base, "kind": "time", "workers": 0, "threads_per_worker": 1, "step_s": single_time["step_s"],
+                      "step_times_s": single_time["step_times_s"]})
+    print("\n| run | best step (s) | worst step (s) | speedup over plain | halo wait per step, slowest rank (s) |")
+    print("|---|---|---|---|---|")
+    for row in spmd_time_rows(w, single_time, args.out, base):
+        print(row, flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=2048)
@@ -74,6 +134,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up step")
     parser.add_argument("--out", default="results/bench_core.jsonl")
     parser.add_argument("--skip-time", action="store_true", help="memory table only")
+    parser.add_argument("--mode", choices=["driver", "spmd"], default="driver")
     args = parser.parse_args(argv)
     w = Workload(model="cnn2d", size=args.size, steps=args.steps)
     base = {"bench": "core", "workload": asdict(w), "env": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -81,6 +142,8 @@ def main(argv=None) -> None:
             "rpc_transports": os.environ.get("BIGCONV_RPC_TRANSPORTS", "uv")}
     print(f"CNN2D {w.size}x{w.size}, batch {w.batch}, {w.dtype}, width {w.width}, depth {w.depth}; "
           f"{os.cpu_count()} cores; torch {base['env']['torch']}")
+    if args.mode == "spmd":
+        return main_spmd(args, w, base)
     single_mem = plain_in_fresh_process(w, threads=max(1, os.cpu_count() or 1))
     append(args.out, {**base, "kind": "memory", "workers": 0, "peak_bytes": single_mem["peak_bytes"],
                       "sources": single_mem["sources"]})

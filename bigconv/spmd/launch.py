@@ -16,6 +16,10 @@ import traceback
 from ..netbind import listening_socket
 
 
+FAILED_GRACE_S = 15.0
+"""After one rank failed, how long the others get to report before they are killed."""
+
+
 class RankFailure(RuntimeError):
     """A rank raised, died or ran past the timeout; the message names it."""
 
@@ -46,17 +50,29 @@ def run(fn, ranks: int, args: tuple = (), *, timeout: float = 300.0, threads: in
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    base = {"MASTER_ADDR": "127.0.0.1", "BIGCONV_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads),
-            **(env or {})}
+    from ..world import WORKER_ENV
+
+    # The allocator reads its settings at process start, so they go into the environment the ranks
+    # inherit (the driver mode's workers and the benchmarks' plain runs get the same).
+    base = {**WORKER_ENV, **{k: os.environ[k] for k in WORKER_ENV if k in os.environ}, "MASTER_ADDR": "127.0.0.1",
+            "BIGCONV_PORT": str(_free_port()), "OMP_NUM_THREADS": str(threads), **(env or {})}
     procs = [ctx.Process(target=_entry, args=(fn, args, r, ranks, base, results), daemon=True,
                          name=f"bigconv-spmd-rank{r}") for r in range(ranks)]
-    for p in procs:
-        p.start()
+    saved = dict(os.environ)
+    os.environ.update(base)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     out, errors = {}, {}
     deadline = time.monotonic() + timeout
     try:
         while len(out) + len(errors) < ranks:
             left = deadline - time.monotonic()
+            if left <= 0 and errors and not partial:
+                break
             if left <= 0:
                 missing = [r for r in range(ranks) if r not in out and r not in errors]
                 raise RankFailure(f"rank(s) {missing} did not finish within {timeout:g}s" +
@@ -74,6 +90,9 @@ def run(fn, ranks: int, args: tuple = (), *, timeout: float = 300.0, threads: in
                         errors.update({r: f"died with exit code {procs[r].exitcode}" for r in dead})
                 continue
             (out if status == "ok" else errors)[rank] = value
+            if status != "ok" and not partial:
+                # The others may wait on the failed rank until their own timeouts: do not wait for them.
+                deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
         if partial:
             return [out[r] if r in out else RankFailure(f"rank {r}: {errors[r]}") for r in range(ranks)]
         if errors:

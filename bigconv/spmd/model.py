@@ -158,7 +158,8 @@ class SpmdModel(ParallelModel):
         if dense:
             target = self._local_target(plan, y, loss_fn).to(out.device)
             num, den = losses.shard_parts(loss_fn.to(out.device), out, target)
-            sums = torch.tensor([num.detach().double(), den or 0.0], dtype=torch.float64, device=out.device)
+            sums = torch.stack([num.detach().double().reshape(()),
+                                torch.tensor(float(den or 0.0), dtype=torch.float64, device=out.device)])
             dist.all_reduce(sums)
             total = sums[1].item() if den is not None else None
             (num / total if total is not None else num).backward()

@@ -1,0 +1,67 @@
+"""A workload trained in the SPMD mode: what each rank runs, and the parent that launches the ranks.
+
+Each rank builds the same model and batch, trains one warm-up step on a tiny input (kernels and
+thread pools paged in, as for the plain run), then measures its own peak memory above what it held
+before the model existed, and the best step time. The full batch is built before the meter starts:
+in a real run a rank reads only its own region (``bigconv.data`` sources), so the benchmark counts
+what training holds, not the test batch. Halo time is the time a rank waited for exchanges to land.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import torch
+
+import bigconv
+from ..memory import PeakMeter
+from .workload import Workload, warmup_workload
+
+
+def _steps(w: Workload, world, grid, replicas: int, x=None, y=None, model=None) -> tuple:
+    if model is None:
+        model, x, y = w.build()
+    net = bigconv.parallelize(model, world, grid=tuple(grid) if grid else None, replicas=replicas)
+    net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for step in range(w.steps + 1):
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+        t0 = time.perf_counter()
+        loss = net.train_step(x.to(world.device), y.to(world.device), loss_fn)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+        if step:
+            times.append(time.perf_counter() - t0)
+    return net, times, loss
+
+
+def rank_main(wd: dict, grid, replicas: int, threads: int, device: str = "cpu", memory_fraction: float | None = None,
+              timeout: float = 300.0) -> dict:
+    """One rank's run (called through ``bigconv.spmd.launch.run`` or under torchrun)."""
+    torch.set_num_threads(threads)
+    w = Workload(**wd)
+    with bigconv.World.from_env(mode="spmd", device=device, timeout=timeout) as world:
+        if memory_fraction and world.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(memory_fraction, world.device)
+        _steps(warmup_workload(w), world, None, replicas)
+        model, x, y = w.build()
+        meter = PeakMeter(world.device)
+        net, times, loss = _steps(w, world, grid, replicas, x, y, model)
+        return {**meter.read(), "rank": world.rank, "step_s": min(times), "step_times_s": times, "loss": loss,
+                "grid": list(net.plan(x).grid), "replicas": replicas, "stats": dict(net.stats),
+                "device": str(world.device)}
+
+
+def train_spmd(w: Workload, ranks: int, grid=None, replicas: int = 1, threads: int = 1, device: str = "cpu",
+               memory_fraction: float | None = None, timeout: float = 900.0) -> dict:
+    """Launch ``ranks`` local SPMD ranks on ``w``; per-rank records and the slowest rank's best step."""
+    from ..spmd import launch
+
+    per_rank = launch.run(rank_main, ranks, (asdict(w), grid, replicas, threads, device, memory_fraction),
+                          timeout=timeout, threads=threads)
+    return {"grid": per_rank[0]["grid"], "step_s": max(r["step_s"] for r in per_rank),
+            "step_times_s": [max(t) for t in zip(*(r["step_times_s"] for r in per_rank))],
+            "per_rank": per_rank}
