@@ -8,6 +8,7 @@ others. Ranks seed alike, so every rank builds the same model and batch.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import warnings
@@ -174,6 +175,44 @@ def adjoint(world) -> dict:
             "messages": rt.stats["messages"]}
 
 
+def sources(world) -> dict:
+    """Whole-slide sources in the SPMD mode: each rank reads only its box of its replica's slides;
+    training equals one process on the same pixels, and ``predict`` writes the single-process map."""
+    import tempfile
+
+    import numpy as np
+    import torch.distributed as dist
+    import zarr
+
+    from bigconv.data import open_image, synthetic_slide
+
+    folder = os.path.join(tempfile.gettempdir(), f"bigconv-spmd-sources-{os.environ['BIGCONV_PORT']}")
+    paths = [os.path.join(folder, f"s{i}.tif") for i in range(4)]
+    if world.rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        for i, p in enumerate(paths):
+            synthetic_slide(p, (64, 128), levels=2, tile=32, seed=i, tissue=0.6)
+    dist.barrier()
+    srcs = [open_image(p, level=0, dtype="float64", scale=1 / 255) for p in paths]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)).double()
+    r = compare_training(model, world, srcs, torch.tensor([0, 1, 1, 0]), nn.CrossEntropyLoss(), grid=(2, 1),
+                         replicas=world.size // 2)
+    r.pop("net")
+    dense = nn.Sequential(nn.Conv2d(3, 4, 5, padding=2), nn.Tanh(), nn.Conv2d(4, 2, 3, padding=1)).double()
+    reference = copy.deepcopy(dense)
+    net = bigconv.parallelize(dense, world, grid=(1, 2), replicas=world.size // 2)
+    out = net.predict(srcs, os.path.join(folder, "pred.zarr"), overwrite=True)
+    from bigconv.data import SourceBatch
+
+    with torch.no_grad():
+        want = reference(SourceBatch(srcs).read())
+    got = torch.from_numpy(np.asarray(zarr.open_array(out, mode="r")[...]))
+    r["predict"] = ((got - want).abs().max() / want.abs().max()).item()
+    return r
+
+
 def bad_input(world) -> dict:
     """Each bad call must raise ValueError on every rank before any message."""
     out = {}
@@ -196,7 +235,7 @@ def bad_input(world) -> dict:
 
 def run_cases(names: list[str], timeout: float = 60.0) -> dict:
     torch.set_num_threads(1)
-    table = {**all_cases(), **zoo_cases(), "adjoint": (4, adjoint), "bad_input": (2, bad_input)}
+    table = {**all_cases(), **zoo_cases(), **SPECIAL}
     results = {}
     with bigconv.World.from_env(mode="spmd", timeout=timeout) as world:
         for name in names:
@@ -210,8 +249,13 @@ def run_cases(names: list[str], timeout: float = 60.0) -> dict:
     return results
 
 
+SPECIAL = {"adjoint": (4, adjoint), "bad_input": (2, bad_input), "sources/R1": (2, sources),
+           "sources/R2": (4, sources)}
+"""Cases with their own checks (not ``compare_training`` alone)."""
+
+
 def case_sizes() -> dict[str, int]:
-    table = {**all_cases(), **zoo_cases(), "adjoint": (4, adjoint), "bad_input": (2, bad_input)}
+    table = {**all_cases(), **zoo_cases(), **SPECIAL}
     return {name: n for name, (n, _) in table.items()}
 
 

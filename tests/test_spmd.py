@@ -45,6 +45,8 @@ def _result(spmd_runs, name):
 
 
 EQUIVALENCE = sorted(n for n in SIZES if n not in ("adjoint", "bad_input"))
+"""Every case but the adjoint and bad-input ones returns compare_training's errors (sources cases add
+``predict``)."""
 
 
 @pytest.mark.timeout(900)
@@ -58,6 +60,13 @@ def test_matches_single_process(spmd_runs, name):
             assert r[key] <= TOL, (rank, key, r)
     # The same answer on every rank.
     assert len({tuple(results[name][k] for k in spmd_cases.KEYS) for results in per_rank}) == 1
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["sources/R1", "sources/R2"])
+def test_prediction_from_sources_matches_single_process(spmd_runs, name):
+    for rank, results in enumerate(_result(spmd_runs, name)):
+        assert results[name]["predict"] <= TOL, (rank, results[name])
 
 
 @pytest.mark.timeout(900)
