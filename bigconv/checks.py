@@ -69,3 +69,8 @@ def _check_loss_on_meta(y: torch.Tensor, loss_fn: Callable, out_shape: tuple[int
         raise ValueError(
             f"loss_fn must return a scalar tensor, got {shape}; use reduction='mean' or 'sum' (or call .mean() on it)"
         )
+
+
+def check_optimizer_class(cls) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")

@@ -129,8 +129,7 @@ class ParallelModel:
     # -- training API -----------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
         """Create a replicated optimizer ``cls(params, **kwargs)`` on every worker."""
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
+        checks.check_optimizer_class(cls)
         self.world.call(worker.make_optimizer, [(self.id, cls, kwargs)] * self.world.workers, "creating the optimizer")
         self.has_optimizer = True
         self.optimizer_class = saving.class_name(cls)
@@ -140,17 +139,7 @@ class ParallelModel:
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x)
-        y_sources = is_source_batch(y)
-        y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
-        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
-        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
-            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
-        if y_sources and not dense:
-            raise ValueError(
-                "targets given as sources are read shard by shard, which needs a dense output and a loss computed "
-                "per shard (MSELoss, L1Loss, BCEWithLogitsLoss, CrossEntropyLoss with mean or sum reduction) and "
-                f"targets of the output's shape {plan.out_full_shape}; otherwise pass y as a tensor"
-            )
+        dense = self._per_shard_loss(plan, x, y, loss_fn)
         args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
         with dist_autograd.context() as ctx:
             results = self.world.wait(self._launch(args), f"forward of step {args[0][0]}")
@@ -164,6 +153,21 @@ class ParallelModel:
             self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {args[0][0]}")
         self.steps += 1
         return float(loss.detach())
+
+    def _per_shard_loss(self, plan: Plan, x, y, loss_fn: Callable) -> bool:
+        """Check the targets (before remote work); whether the loss is computed shard by shard."""
+        y_sources = is_source_batch(y)
+        y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
+        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
+        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
+            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
+        if y_sources and not dense:
+            raise ValueError(
+                "targets given as sources are read shard by shard, which needs a dense output and a loss computed "
+                "per shard (MSELoss, L1Loss, BCEWithLogitsLoss, CrossEntropyLoss with mean or sum reduction) and "
+                f"targets of the output's shape {plan.out_full_shape}; otherwise pass y as a tensor"
+            )
+        return dense
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the gradient of the input and the summed parameter gradients, without a step.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import checks, losses, saving
-from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch, target_stand_in
+from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
 from ..dry_run import meta_copy
 from ..executors import ShardExecutor, join_shards
 from ..geometry import balanced_bounds, shard_box, validate_grid
@@ -141,19 +141,12 @@ class SpmdModel(ParallelModel):
 
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
+        checks.check_optimizer_class(cls)
         self.opt = cls(self.model.parameters(), **kwargs)
         self.has_optimizer, self.optimizer_class = True, saving.class_name(cls)
 
     def _loss_and_backward(self, plan, x, y, loss_fn, grad) -> torch.Tensor:
-        y_seen = target_stand_in(y, loss_fn) if is_source_batch(y) else y
-        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
-        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
-            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
-        if is_source_batch(y) and not dense:
-            raise ValueError("targets given as sources need a dense output and a loss computed per shard; "
-                             "otherwise pass y as a tensor")
+        dense = self._per_shard_loss(plan, x, y, loss_fn)
         out = self._forward(plan, self._local_input(plan, x), grad)
         if dense:
             target = self._local_target(plan, y, loss_fn).to(out.device)
