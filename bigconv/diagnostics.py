@@ -51,7 +51,7 @@ def halo_adjoint(world: World, x: torch.Tensor, grid: Sequence[int], windows: Se
         size = [hi - lo + p0 + p1 for (lo, hi), (p0, p1) in zip(plan.need, plan.pad)]
         ys.append(torch.randn(*x.shape[:2], *size, generator=gen, dtype=x.dtype))
     xs = split_shards(x, grid)
-    with dist_autograd.context() as ctx:
+    with world.autograd_context() as ctx:
         futures = [rpc.rpc_async(n, _exchange, args=(call, grid, shape, tuple(windows), xi, yi),
                                  timeout=world.rpc_timeout)
                    for n, xi, yi in zip(world.names, xs, ys)]

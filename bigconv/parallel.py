@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 
@@ -141,7 +140,7 @@ class ParallelModel:
         plan = self.plan(x)
         dense = self._per_shard_loss(plan, x, y, loss_fn)
         args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
-        with dist_autograd.context() as ctx:
+        with self.world.autograd_context() as ctx:
             results = self.world.wait(self._launch(args), f"forward of step {args[0][0]}")
             if dense:
                 loss = losses.combine(results)
@@ -178,7 +177,7 @@ class ParallelModel:
         plan = self.plan(x)
         checks.check_target(x, y, loss_fn, plan.out_full_shape)
         args = self._shard_args(plan, x, None, None, grad="input")
-        with dist_autograd.context() as ctx:
+        with self.world.autograd_context() as ctx:
             results = self.world.wait(self._launch(args), f"forward of call {args[0][0]}")
             loss = loss_fn(self._assemble(plan, results, grad=True), y)
             self.world.backward(ctx, loss, f"backward of call {args[0][0]}")

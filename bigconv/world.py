@@ -195,6 +195,7 @@ class World:
         self.device = device
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
         self.broken: str | None = None
+        self._orphan_contexts: list[int] = []  # contexts left when the world broke; see autograd_context
         self._procs: list[subprocess.Popen] = []
         self._closed = self._closing = False
         self._store = None
@@ -301,6 +302,7 @@ class World:
         self.device = device
         self.threads_per_worker = threads
         self.broken, self._procs, self._closed, self._closing = None, [], False, False
+        self._orphan_contexts = []
         _claim_process(self)
         try:
             self._store = netbind.host_store(info.master_addr, info.port, timeout)
@@ -401,6 +403,37 @@ class World:
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
+    @contextlib.contextmanager
+    def autograd_context(self) -> Iterator[int]:
+        """A distributed-autograd context, released on the way out unless the world broke inside it.
+
+        Releasing notifies every worker the context touched; after a failure some of them are dead
+        or stuck in a collective, and the release once held the driver for minutes after the
+        WorkerFailure had been raised. A broken world cannot be used again, so ``close`` releases
+        such a context after the RPC agent is down, when no message is sent any more (the release
+        also clears this thread's current context, which a later world needs).
+        """
+        import torch.distributed.autograd as dist_autograd
+
+        context_id = dist_autograd._new_context()._context_id()
+        try:
+            yield context_id
+        finally:
+            if self.broken:
+                self._orphan_contexts.append(context_id)
+            else:
+                dist_autograd._release_context(context_id)
+
+    def _release_orphan_contexts(self) -> None:
+        import torch.distributed.autograd as dist_autograd
+
+        for context_id in self._orphan_contexts:
+            try:
+                dist_autograd._release_context(context_id)
+            except RuntimeError as exc:  # released already, or the context died with the agent
+                log.debug("autograd context %d: %s", context_id, exc)
+        self._orphan_contexts.clear()
+
     def backward(self, context_id: int, loss, what: str) -> None:
         """Distributed backward from ``loss``; a worker lost on the way becomes a WorkerFailure.
 
@@ -434,6 +467,7 @@ class World:
             log.warning("RPC shutdown was not clean: %s", exc)
         finally:
             self._reap(grace=30.0 if healthy else 0.0)
+            self._release_orphan_contexts()
             self._store = None
             netbind.forget(RPC_STORE_KEY)
             _release_process(self)

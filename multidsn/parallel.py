@@ -14,7 +14,6 @@ import pickle
 from typing import Sequence
 
 import torch
-import torch.distributed.autograd as dist_autograd
 
 from bigconv import World, saving
 
@@ -101,7 +100,7 @@ class DistributedDSN:
         labels = batch.labels.detach().long()
         step, call = self.steps, next(self._calls)
         what = f"step {step}"
-        with dist_autograd.context() as ctx:
+        with self.world.autograd_context() as ctx:
             if self.cfg.adapting(step):
                 terms, took_part = self._adapting_forward(call, step, images, labels, what)
             else:

@@ -37,8 +37,19 @@ class Sabotage(nn.Module):
         return x
 
 
+class StallingSGD(torch.optim.SGD):
+    """SGD that stalls on worker 1 from its second step on: a worker stuck after the allreduce."""
+
+    def step(self, closure=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        rt = transport._RUNTIME
+        if rt is not None and rt.index == 1 and self.calls >= 2:
+            time.sleep(3600)
+        return super().step(closure)
+
+
 def _model(action: str) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), Sabotage(1, action, from_call=2),
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), Sabotage(-1 if action == "stall_in_step" else 1, action, from_call=2),
                          nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 2))
 
 
@@ -48,6 +59,9 @@ def _model(action: str) -> nn.Module:
     ("die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during forward of step"),
     ("stall", 8.0, 40.0, r"^worker1 did not finish forward of step"),
     ("die_in_backward", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during (backward|optimizer step)"),
+    # Stuck in the optimizer step, inside the distributed-autograd context: leaving the context must
+    # not wait on the stuck worker (a zoo run once sat there for minutes after the error).
+    ("stall_in_step", 8.0, 40.0, r"^worker1 did not finish optimizer step"),
 ])
 def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound, match):
     x, y = torch.randn(1, 1, 8, 8), torch.tensor([1])
@@ -55,7 +69,7 @@ def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound
     with pytest.raises(bigconv.WorkerFailure, match=match):
         with bigconv.World(workers=2, timeout=timeout) as world:
             net = bigconv.parallelize(_model(action), world, grid=(2, 1))
-            net.optimizer(torch.optim.SGD, lr=0.1)
+            net.optimizer(StallingSGD if action == "stall_in_step" else torch.optim.SGD, lr=0.1)
             net.train_step(x, y, nn.CrossEntropyLoss())  # call 1: healthy
             t0 = time.monotonic()
             try:
@@ -65,8 +79,10 @@ def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound
     # Leaving the context shut the broken world down without hanging, and a new one starts.
     assert time.monotonic() - started < 2 * bound + 30
     with bigconv.World(workers=1, timeout=30) as world:
-        net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 1, 3), nn.AdaptiveAvgPool2d(1)), world)
-        assert net(x).shape == (1, 1, 1, 1)
+        net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()), world)
+        assert net(x).shape == (1, 2)
+        net.optimizer(torch.optim.SGD, lr=0.1)  # a training step needs a fresh autograd context
+        assert net.train_step(x, y, nn.CrossEntropyLoss()) > 0
         assert not world.closed
     assert world.closed
     with pytest.raises(RuntimeError, match="closed"):
