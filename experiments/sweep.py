@@ -2,8 +2,11 @@
 
     python -m experiments.sweep --model cnn2d --sizes 512,1024 --workers 1,2,4 --out results/NAME.jsonl
     python -m experiments.sweep --preset fig3_cnn2d --quick        # -> results/fig3_cnn2d_quick.jsonl
+    python -m experiments.sweep --preset fig3_cnn2d --quick --mode spmd   # -> results/fig3_cnn2d_spmd_quick.jsonl
 
 - The plain single-process run (``workers`` 0, no RPC) is always included, like the study's blue curves.
+- ``--mode spmd`` runs each worker count as that many SPMD ranks (``bigconv.spmd``: no driver, halos
+  by point-to-point), ``--replicas R`` as R data-parallel replicas of workers/R shards.
 - Each configuration appends one record (``bigconv.harness.records``) with status ``ok``, ``oom`` or
   ``error`` and a message. After an ``oom``, larger sizes of the same worker count are skipped
   (``--keep-going`` runs them anyway) and the sweep goes on.
@@ -46,7 +49,7 @@ def int_list(text: str) -> list[int]:
 
 
 def plan(model: str, sizes: list[int], workers: list[int], *, plain: bool = True, targets: list[int] | None = None,
-         **common) -> list[RunConfig]:
+         mode: str | None = None, replicas: int | None = None, **common) -> list[RunConfig]:
     """Every configuration, smallest size first; the plain run first at each size.
 
     DSN: ``targets`` (e.g. 1, 4, 7) replaces ``workers``: the plain run is the single-process 1S1T
@@ -59,12 +62,17 @@ def plan(model: str, sizes: list[int], workers: list[int], *, plain: bool = True
         return [RunConfig(model=model, size=s, workers=n, targets=k, **common) for s in sorted(sizes)
                 for n, k in runs]
     counts = ([0] if plain else []) + sorted(set(workers) - {0})
-    return [RunConfig(model=model, size=s, workers=n, **common) for s in sorted(sizes) for n in counts]
+    # The plain run is the same baseline for both modes (and keeps its record key).
+    return [RunConfig(model=model, size=s, workers=n, **common, **({"mode": mode, "replicas": replicas} if n else {}))
+            for s in sorted(sizes) for n in counts]
 
 
 def label(cfg: RunConfig) -> str:
     dims = registry.spec(cfg.model).dims
     who = "single process" if cfg.workers == 0 else f"{cfg.workers} worker{'s' * (cfg.workers > 1)}"
+    if cfg.mode == "spmd":
+        who = f"{cfg.workers} SPMD rank{'s' * (cfg.workers > 1)}" + (f" ({cfg.replicas} replicas)" if cfg.replicas
+                                                                     else "")
     if cfg.targets is not None:
         placement = f" ({cfg.placement} placement)" if cfg.placement else ""
         who = f"1 source + {cfg.targets} target{'s' * (cfg.targets > 1)}, {who}{placement}"
@@ -86,10 +94,10 @@ def run_sweep(configs: list[RunConfig], out: str, *, retry_errors: bool = False,
     ``progress``: a tqdm bar (or None) advanced per configuration, showing the current one.
     """
     done = records.recorded_keys(out)
-    oom_at: dict[tuple, int] = {}  # (mode, workers) -> smallest size that ran out of memory
+    oom_at: dict[tuple, int] = {}  # (model, workers, mode) -> smallest size that ran out of memory
     for rec in done.values():
         if rec["status"] == "oom":
-            key = (rec["config"]["model"], rec["config"]["workers"])
+            key = _oom_key(RunConfig.from_dict(rec["config"]))
             oom_at[key] = min(oom_at.get(key, rec["config"]["size"]), rec["config"]["size"])
     written, t0 = [], time.monotonic()
     for i, cfg in enumerate(configs, 1):
@@ -102,14 +110,18 @@ def run_sweep(configs: list[RunConfig], out: str, *, retry_errors: bool = False,
     return written
 
 
+def _oom_key(cfg: RunConfig) -> tuple:
+    return cfg.model, cfg.workers, cfg.mode, cfg.replicas
+
+
 def _run_one(cfg, head, out, done, oom_at, written, t0, retry_errors, keep_going, runner, echo) -> None:
     key = records.config_key(asdict(cfg))
     prev = done.get(key)
     if prev is not None and not (retry_errors and prev["status"] == "error"):
         echo(f"{head}: already recorded ({prev['status']})")
         return
-    if not keep_going and oom_at.get((cfg.model, cfg.workers), float("inf")) < cfg.size:
-        echo(f"{head}: skipped, size {oom_at[(cfg.model, cfg.workers)]} already ran out of memory")
+    if not keep_going and oom_at.get(_oom_key(cfg), float("inf")) < cfg.size:
+        echo(f"{head}: skipped, size {oom_at[_oom_key(cfg)]} already ran out of memory")
         return
     echo(f"{head} ...")
     rec = runner(cfg)
@@ -117,7 +129,7 @@ def _run_one(cfg, head, out, done, oom_at, written, t0, retry_errors, keep_going
     written.append(rec)
     done[key] = rec
     if rec["status"] == "oom":
-        oom_at[(cfg.model, cfg.workers)] = min(oom_at.get((cfg.model, cfg.workers), cfg.size), cfg.size)
+        oom_at[_oom_key(cfg)] = min(oom_at.get(_oom_key(cfg), cfg.size), cfg.size)
     line = f"{head}: {summary(rec)} ({rec.get('run_s', 0):.0f}s; {time.monotonic() - t0:.0f}s so far)"
     if rec["status"] == "error":
         log.warning(line)
@@ -133,7 +145,11 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int_list, help="worker counts, e.g. 1,2,4,8 (plain run always added)")
     parser.add_argument("--targets", type=int_list, default=None,
                         help="dsn: target domains per run, e.g. 1,4,7 (workers follow from the placement)")
-    parser.add_argument("--out", help="results file (default results/<preset>[_quick].jsonl)")
+    parser.add_argument("--mode", choices=["driver", "spmd"], default="driver",
+                        help="how the worker counts run: a driver and RPC workers, or SPMD ranks (bigconv.spmd)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="spmd: data-parallel replicas; each worker count must be a multiple (batch >= replicas)")
+    parser.add_argument("--out", help="results file (default results/<preset>[_spmd][_quick].jsonl)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--width", type=int, default=None, help="conv channels (default 16; dsn 8)")
     parser.add_argument("--depth", type=int, default=3)
@@ -156,7 +172,7 @@ def main(argv=None) -> None:
         model, sizes, workers = p.model, args.sizes or scale.sizes, args.workers or scale.workers
         targets = args.targets or p.extra.get("targets")
         batch, device = args.batch or scale.batch, args.device or scale.device
-        out = args.out or f"results/{p.name}{'_quick' if args.quick else ''}.jsonl"
+        out = args.out or f"results/{p.name}{'_spmd' if args.mode == 'spmd' else ''}{'_quick' if args.quick else ''}.jsonl"
     else:
         if not (args.model and args.sizes and (args.workers or args.model == "dsn") and args.out):
             parser.error("give --preset, or all of --model, --sizes, --workers (dsn: --targets) and --out")
@@ -166,11 +182,16 @@ def main(argv=None) -> None:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     spec = registry.spec(model)
+    if args.mode == "spmd" and model == "dsn":
+        parser.error("--mode spmd runs the bigconv models; the DSN's domain parallelism has its own (driver) mode")
+    if args.replicas and args.mode != "spmd":
+        parser.error("--replicas is for --mode spmd")
     sizes = sorted({spec.round_size(s, args.depth) for s in sizes})
     configs = plan(model, sizes, workers, plain=not args.no_plain, targets=targets, batch=batch,
                    width=args.width or (8 if model == "dsn" else 16), depth=args.depth,
                    dtype=args.dtype, steps=args.steps, device=device, budget_bytes=args.budget,
-                   record=not args.no_record, timeout_s=args.timeout)
+                   record=not args.no_record, timeout_s=args.timeout,
+                   mode="spmd" if args.mode == "spmd" else None, replicas=args.replicas)
     log.info("%d configurations -> %s", len(configs), out)
     with progress.bars_and_logs(), progress.bar(len(configs), "sweep", args, unit="config") as pb:
         written = run_sweep(configs, out, retry_errors=args.retry_errors, keep_going=args.keep_going,

@@ -60,8 +60,19 @@ def _save(fig, out_dir: str, name: str) -> list[str]:
     return paths
 
 
-def _who(workers: int) -> str:
-    return "single process (no RPC)" if workers == 0 else f"{workers} worker{'s' * (workers > 1)}"
+def run_mode(rec: dict) -> str:
+    """``"driver"`` or ``"spmd"``: how a run's workers ran (the plain run is the baseline of both)."""
+    return (rec.get("config") or {}).get("mode") or "driver"
+
+
+def _who(workers: int, mode: str = "driver") -> str:
+    if workers == 0:
+        return "single process (no RPC)"
+    return f"{workers} {'SPMD rank' if mode == 'spmd' else 'worker'}{'s' * (workers > 1)}"
+
+
+def _mode_of(runs: list[dict]) -> str:
+    return next((run_mode(r) for r in runs if r["workers"]), "driver")
 
 
 def _colour(workers: int, counts: list[int]) -> str:
@@ -103,7 +114,7 @@ def memory_vs_size(runs: list[dict], source: str, out_dir: str, stem: str) -> li
     for n, rs in groups.items():
         ok = [r for r in rs if r["status"] == "ok"]
         ax.plot([r["size"] for r in ok], [r["peak_bytes_max"] / MiB for r in ok], "o-", color=_colour(n, counts),
-                lw=2.2 if n == 0 else 1.4, label=_who(n))
+                lw=2.2 if n == 0 else 1.4, label=_who(n, _mode_of(runs)))
     limit, what = limit_bytes(runs[0])
     failed = [r for r in runs if r["status"] == "oom"]
     top = limit / MiB if limit else max(r.get("peak_bytes_max") or 0 for r in runs) / MiB
@@ -128,7 +139,7 @@ def util_vs_size(runs: list[dict], source: str, out_dir: str, stem: str) -> list
     for n, rs in groups.items():
         ok = [r for r in rs if r["status"] == "ok" and r.get("util_mean_percent") is not None]
         ax.plot([r["size"] for r in ok], [r["util_mean_percent"] for r in ok], "o-", color=_colour(n, counts),
-                lw=2.2 if n == 0 else 1.4, label=_who(n))
+                lw=2.2 if n == 0 else 1.4, label=_who(n, _mode_of(runs)))
     src = {r.get("util_source") for r in runs if r.get("util_source")}
     what = "GPU utilization (NVML)" if src == {"nvml_gpu"} else "CPU busy share of its threads"
     ax.set(xscale="log", xlabel=_size_label(runs[0]), ylabel=f"average {what} (%)", ylim=(0, None),
@@ -235,12 +246,15 @@ def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
     # DSN searches are one case per (targets, placement), not a line over workers: plots.dsn draws them.
     found = [r for r in latest_maxsize(recs) if (r.get("config") or {}).get("targets") is None]
     paths = []
+    modes = sorted({run_mode(r) for r in runs if r["workers"]}) or ["driver"]
     for model in sorted({r["model"] for r in runs}):
-        mine = [r for r in runs if r["model"] == model]
-        name = stem if len({r["model"] for r in runs}) == 1 else f"{stem}_{model}"
-        if any(r["status"] == "ok" for r in mine):
-            paths += memory_vs_size(mine, path, out_dir, name) + util_vs_size(mine, path, out_dir, name)
-            paths += memory_vs_workers(mine, path, out_dir, name)
+        for mode in modes:  # one set of figures per mode, each against the same plain baseline
+            mine = [r for r in runs if r["model"] == model and (r["workers"] == 0 or run_mode(r) == mode)]
+            name = stem if len({r["model"] for r in runs}) == 1 else f"{stem}_{model}"
+            name += f"_{mode}" if len(modes) > 1 and mode != "driver" else ""
+            if any(r["status"] == "ok" for r in mine):
+                paths += memory_vs_size(mine, path, out_dir, name) + util_vs_size(mine, path, out_dir, name)
+                paths += memory_vs_workers(mine, path, out_dir, name)
     for model in sorted({r["model"] for r in found}):
         name = stem if len({r["model"] for r in found}) == 1 else f"{stem}_{model}"
         paths += maxsize_vs_workers([r for r in found if r["model"] == model], path, out_dir, name)

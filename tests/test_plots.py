@@ -85,6 +85,37 @@ def test_footer_names_source_and_hardware(results_file, tmp_path):
     assert len(seen) == 4 and all("fixture.jsonl" in t and "Test CPU, 2 cores" in t and "abc1234" in t for t in seen)
 
 
+def test_a_file_with_both_modes_gets_figures_per_mode(results_file, tmp_path):
+    """SPMD runs of the same worker counts are drawn apart from the driver's, each against the one
+    plain baseline, with their own labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from plots import study
+
+    recs = records.load(results_file)
+    spmd = []
+    for s in (256, 512, 1024):
+        for n in (2, 4):
+            r = run_record(s, n, peak=(2 * MiB + 100 * s * s / n) * 1.01)
+            r["config"] = {**r["config"], "mode": "spmd"}
+            r["mode"] = "spmd"
+            spmd.append(r)
+    labels = []
+    real = study._who
+    study._who = lambda n, mode="driver": labels.append((n, mode)) or real(n, mode)
+    try:
+        paths = study.draw_file(results_file, recs + spmd, str(tmp_path))
+    finally:
+        study._who = real
+    names = sorted(os.path.basename(p) for p in paths if p.endswith(".png"))
+    assert names == sorted(["fixture_memory.png", "fixture_util.png", "fixture_scaling.png", "fixture_maxsize.png",
+                            "fixture_spmd_memory.png", "fixture_spmd_util.png", "fixture_spmd_scaling.png"])
+    assert (2, "spmd") in labels and (2, "driver") in labels and (1, "spmd") not in labels
+    spmd_only = [r for r in recs + spmd if r["kind"] == "run" and (r["workers"] == 0 or study.run_mode(r) == "spmd")]
+    assert set(study.memory_ratios(spmd_only, 1024)) == {2, 4}
+
+
 def test_memory_ratio_at_largest_common_size(results_file):
     from plots.study import memory_ratios, scaling_size
 

@@ -116,6 +116,41 @@ def test_tiny_real_sweep_with_budget_oom(exclusive, tmp_path):
     json.dumps(recs)  # plain JSON all the way down
 
 
+@pytest.mark.own_world
+@pytest.mark.timeout(300)
+def test_tiny_real_spmd_sweep(exclusive, tmp_path):
+    """``--mode spmd``: each worker count runs as SPMD ranks in fresh processes; 64^2 fits a 128 MiB
+    budget per rank, 1024^2 runs out of it and is recorded as oom; the plain baseline is the one the
+    driver mode's sweep records (same key), and a rerun adds nothing."""
+    out = str(tmp_path / "spmd.jsonl")
+    cmd = [sys.executable, "-m", "experiments.sweep", "--model", "cnn2d", "--sizes", "64,1024", "--workers", "2",
+           "--mode", "spmd", "--budget", "128MiB", "--device", "cpu", "--out", out, "--timeout", "200"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    recs = records.load(out)
+    assert [(r["size"], r["workers"], r["mode"], r["status"]) for r in recs] == [
+        (64, 0, "plain", "ok"), (64, 2, "spmd", "ok"), (1024, 0, "plain", "oom"), (1024, 2, "spmd", "oom")], \
+        [r.get("message") for r in recs]
+    ok = recs[1]
+    assert ok["config"]["mode"] == "spmd" and sorted(ok["grid"]) == [1, 2] and len(ok["per_worker"]) == 2
+    assert ok["peak_bytes_max"] > 0 and ok["util_source"] == "process_cpu" and ok["halo_messages_total"] > 0
+    assert ok["budget"]["budget_enforced_by"] == "rlimit_data" and ok["images_per_s"] > 0
+    assert "allocate memory" in recs[3]["message"]
+    assert recs[0]["config"]["mode"] is None and recs[0]["config"]["replicas"] is None  # the driver sweep's key
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stderr.count("already recorded") == 4
+
+
+def test_spmd_configs_are_checked():
+    with pytest.raises(ValueError, match="mode must be"):
+        RunConfig(model="cnn2d", size=64, workers=2, mode="rpc")
+    with pytest.raises(ValueError, match="replicas is for mode 'spmd' and must divide"):
+        RunConfig(model="cnn2d", size=64, workers=3, mode="spmd", replicas=2)
+    with pytest.raises(ValueError, match="for workers > 0"):
+        RunConfig(model="cnn2d", size=64, workers=0, mode="spmd")
+    assert [(c.workers, c.mode) for c in plan("cnn2d", [64], [2], mode="spmd")] == [(0, None), (2, "spmd")]
+
+
 def test_registry_and_dsn_plan():
     """fcn2d/unet are one registry entry each; dsn sweeps targets, with the workers its placement needs."""
     from multidsn.placement import workers_needed

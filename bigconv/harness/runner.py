@@ -65,6 +65,11 @@ class RunConfig:
     placement: str | None = None
     """DSN only: ``"domain"`` (None means this too) or ``"encoder"`` (the ORNL layout: every encoder on a
     worker of its own)."""
+    mode: str | None = None
+    """How ``workers`` > 0 run: None (the driver mode: a driver and RPC workers) or ``"spmd"`` (that many
+    ranks, no driver, halos by point-to-point; ``bigconv.spmd``)."""
+    replicas: int | None = None
+    """SPMD only: data-parallel replicas (``workers`` = replicas x shards); None means 1."""
     timeout_s: float = 900.0
     """Wall-clock limit of the whole configuration; not part of its identity."""
 
@@ -79,6 +84,13 @@ class RunConfig:
             raise ValueError("targets is for --model dsn (and dsn needs it)")
         if self.placement is not None and (spec.task != "dsn" or self.placement not in ("domain", "encoder")):
             raise ValueError(f"placement is for --model dsn, one of 'domain' or 'encoder'; got {self.placement!r}")
+        if self.mode not in (None, "spmd"):
+            raise ValueError(f"mode must be None (the driver mode) or 'spmd', got {self.mode!r}")
+        if self.mode == "spmd" and (self.workers == 0 or spec.task == "dsn"):
+            raise ValueError("mode 'spmd' is for workers > 0 and a bigconv model (not the plain run or dsn)")
+        if self.replicas is not None and (self.mode != "spmd" or self.replicas < 1 or self.workers % self.replicas):
+            raise ValueError(f"replicas is for mode 'spmd' and must divide workers ({self.workers}), "
+                             f"got {self.replicas}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
@@ -186,6 +198,19 @@ def run_world(cfg: RunConfig, world=None) -> dict:
         return train_distributed(w, world, grid=cfg.grid, record=cfg.record, budget_bytes=cfg.budget_bytes)
 
 
+def run_spmd(cfg: RunConfig) -> dict:
+    """``cfg.workers`` local SPMD ranks (``bigconv.spmd.launch``), each with its share of the cores."""
+    from bigconv.harness.spmd_workload import train_spmd
+
+    threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+    r = train_spmd(_workload(cfg), cfg.workers, grid=cfg.grid, replicas=cfg.replicas or 1, threads=threads,
+                   device=cfg.device, timeout=0.95 * cfg.timeout_s, record=cfg.record,
+                   budget_bytes=cfg.budget_bytes)
+    per = r["per_rank"]
+    return {"grid": r["grid"], "step_s": r["step_s"], "step_times_s": r["step_times_s"], "loss": per[0]["loss"],
+            "budget": per[0].get("budget"), "per_worker": per}
+
+
 def describe(cfg: RunConfig) -> dict:
     """The record's leading fields: what was run, where."""
     from bigconv.harness.workload import environment
@@ -194,7 +219,7 @@ def describe(cfg: RunConfig) -> dict:
     spec = registry.spec(cfg.model)
     return {"kind": "run", "config": asdict(cfg), "model": cfg.model, "dims": spec.dims, "task": spec.task,
             "size": cfg.size, "input_elements": cfg.size ** spec.dims, "batch": cfg.batch, "workers": cfg.workers,
-            "mode": "plain" if cfg.workers == 0 else "world", "device": cfg.device,
+            "mode": "plain" if cfg.workers == 0 else (cfg.mode or "world"), "device": cfg.device,
             "budget_bytes": cfg.budget_bytes, "torch": env["torch"], "commit": env["commit"], "env": env,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -207,7 +232,7 @@ def run_here(cfg: RunConfig, world=None) -> dict:
         if cfg.model == "dsn":
             r = run_dsn(cfg, world)
         else:
-            r = run_plain(cfg) if cfg.workers == 0 else run_world(cfg, world)
+            r = run_plain(cfg) if cfg.workers == 0 else run_spmd(cfg) if cfg.mode == "spmd" else run_world(cfg, world)
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
         record.update(status=classify(text + repr(exc.__cause__)), message=text[-2000:],

@@ -39,28 +39,43 @@ def _steps(w: Workload, world, grid, replicas: int, x=None, y=None, model=None) 
 
 
 def rank_main(wd: dict, grid, replicas: int, threads: int, device: str = "cpu", memory_fraction: float | None = None,
-              timeout: float = 300.0) -> dict:
-    """One rank's run (called through ``bigconv.spmd.launch.run`` or under torchrun)."""
+              timeout: float = 300.0, record: bool = False, budget_bytes: int | None = None) -> dict:
+    """One rank's run (called through ``bigconv.spmd.launch.run`` or under torchrun).
+
+    ``record`` runs the recorder (utilization, NVML) over the measured steps; ``budget_bytes`` caps
+    the rank after the warm-up, as the driver mode caps each worker (``recorder.limit_memory``).
+    """
+    from .recorder import Recorder, limit_memory
+
     torch.set_num_threads(threads)
     w = Workload(**wd)
     with bigconv.World.from_env(mode="spmd", device=device, timeout=timeout) as world:
         if memory_fraction and world.device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(memory_fraction, world.device)
         _steps(warmup_workload(w), world, None, replicas)
+        budget = limit_memory(budget_bytes, world.device) if budget_bytes else None
         model, x, y = w.build()
         meter = PeakMeter(world.device)
+        rec = Recorder(world.device, enabled=record, threads=threads).start()
         net, times, loss = _steps(w, world, grid, replicas, x, y, model)
-        return {**meter.read(), "rank": world.rank, "step_s": min(times), "step_times_s": times, "loss": loss,
-                "grid": list(net.plan(x).grid), "replicas": replicas, "stats": dict(net.stats),
-                "device": str(world.device)}
+        stats = dict(net.stats)
+        return {**rec.stop(), **meter.read(), "rank": world.rank, "step_s": min(times), "step_times_s": times,
+                "loss": loss, "grid": list(net.plan(x).grid), "replicas": replicas, "stats": stats,
+                "halo_messages": stats.get("messages", 0), "halo_sent_bytes": stats.get("bytes", 0),
+                "halo_recv_bytes": stats.get("recv_bytes", 0), "halo_wait_s": stats.get("wait_s", 0.0),
+                "budget": budget, "device": str(world.device)}
 
 
 def train_spmd(w: Workload, ranks: int, grid=None, replicas: int = 1, threads: int = 1, device: str = "cpu",
-               memory_fraction: float | None = None, timeout: float = 900.0) -> dict:
+               memory_fraction: float | None = None, timeout: float = 900.0, record: bool = False,
+               budget_bytes: int | None = None) -> dict:
     """Launch ``ranks`` local SPMD ranks on ``w``; per-rank records and the slowest rank's best step."""
     from ..spmd import launch
 
-    per_rank = launch.run(rank_main, ranks, (asdict(w), grid, replicas, threads, device, memory_fraction),
+    # A rank's own waits give up well before the launch does, so the error names the peer it waited for.
+    rank_timeout = max(60.0, timeout / 3)
+    per_rank = launch.run(rank_main, ranks, (asdict(w), grid, replicas, threads, device, memory_fraction,
+                                             rank_timeout, record, budget_bytes),
                           timeout=timeout, threads=threads)
     return {"grid": per_rank[0]["grid"], "step_s": max(r["step_s"] for r in per_rank),
             "step_times_s": [max(t) for t in zip(*(r["step_times_s"] for r in per_rank))],
