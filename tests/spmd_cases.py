@@ -199,7 +199,12 @@ def sources(world) -> dict:
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)).double()
     r = compare_training(model, world, srcs, torch.tensor([0, 1, 1, 0]), nn.CrossEntropyLoss(), grid=(2, 1),
                          replicas=world.size // 2)
-    r.pop("net")
+    net = r.pop("net")
+    # prefetch: the next call's reads start in the background, and that call takes them.
+    out_now, before = net(srcs), net.stats["prefetch_read_s"]
+    net.prefetch(srcs)
+    out_ahead = net(srcs)
+    r["prefetch_equal"], r["prefetch_used"] = torch.equal(out_now, out_ahead), net.stats["prefetch_read_s"] > before
     dense = nn.Sequential(nn.Conv2d(3, 4, 5, padding=2), nn.Tanh(), nn.Conv2d(4, 2, 3, padding=1)).double()
     reference = copy.deepcopy(dense)
     net = bigconv.parallelize(dense, world, grid=(1, 2), replicas=world.size // 2)

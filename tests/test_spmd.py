@@ -67,6 +67,7 @@ def test_matches_single_process(spmd_runs, name):
 def test_prediction_from_sources_matches_single_process(spmd_runs, name):
     for rank, results in enumerate(_result(spmd_runs, name)):
         assert results[name]["predict"] <= TOL, (rank, results[name])
+        assert results[name]["prefetch_equal"] and results[name]["prefetch_used"], (rank, results[name])
 
 
 @pytest.mark.timeout(900)

@@ -198,7 +198,8 @@ def _zarr_levels(path: str, key: str | None, channels_last: bool | None) -> list
 # -- reads --------------------------------------------------------------------------------------------
 def read_inside(fmt: str, h, box: tuple[tuple[int, int], ...], level: int, channels_last: bool,
                 axes: str | None = None) -> np.ndarray:
-    """The CHW array of ``box`` (spatial, within the image) at one level."""
+    """The CHW array of ``box`` (spatial, within the image) at one level; channels stored last come
+    back as a CHW view of the HWC data, not a copy."""
     sl = tuple(slice(a, b) for a, b in box)
     if axes is not None:  # OME-Zarr
         spatial = iter(sl)
@@ -210,10 +211,10 @@ def read_inside(fmt: str, h, box: tuple[tuple[int, int], ...], level: int, chann
         (y0, y1), (x0, x1) = box
         down = h.level_downsamples[level]
         region = h.read_region((int(round(x0 * down)), int(round(y0 * down))), level, (x1 - x0, y1 - y0))
-        return np.ascontiguousarray(np.asarray(region)[..., :3].transpose(2, 0, 1))
+        return np.asarray(region)[..., :3].transpose(2, 0, 1)  # a CHW view: see ImageSource.tensor
     nd = len(h.shape)
     if nd == len(box):  # no channel axis stored
         return np.asarray(h[sl])[None]
     if channels_last:
-        return np.ascontiguousarray(np.moveaxis(np.asarray(h[sl + (slice(None),)]), -1, 0))
+        return np.moveaxis(np.asarray(h[sl + (slice(None),)]), -1, 0)  # a CHW view: see ImageSource.tensor
     return np.asarray(h[(slice(None),) + sl])
