@@ -2,6 +2,7 @@
 
     python -m experiments.bench_slides                   # one 16,384^2 RGB slide, 4 workers
     python -m experiments.bench_slides --size 4096       # a quick look
+    python -m experiments.bench_slides --maxsize 1GiB    # the largest slide within 1 GiB per process
 
 The same training (``bigconv.models.SlideCNN``, batch 1, SGD, grid 2x2, float32) in two ways, each
 in a fresh World: ``sources``, where the driver sends each worker a path and its box, and
@@ -75,6 +76,85 @@ def run(kind: str, source, steps: int, workers: int) -> dict:
             "halo_bytes_per_step": [s["recv_bytes"] / steps for s in stats]}
 
 
+def probe_peak(kind: str, source, workers: int) -> dict:
+    """One training step after a warm-up step, ``kind`` as in ``run``; the largest peak of any process
+    (the driver's, through its first step, included), which a per-process budget must hold."""
+    r = run(kind, source, 1, workers)
+    return {**r, "peak_bytes_max": max(r["driver_peak_bytes"], *r["worker_peak_bytes"]),
+            "peak_process": "driver" if r["driver_peak_bytes"] >= max(r["worker_peak_bytes"]) else "worker"}
+
+
+def largest_slide(kind: str, budget: int, workers: int, folder: str, out: str, *, start: int = 4096,
+                  quantum: int = 256, tolerance: float = 0.03, max_probes: int = 8) -> dict:
+    """The largest square RGB slide edge (a multiple of ``quantum``) whose training step keeps every
+    process (driver and workers) within ``budget`` bytes of peak RSS above its warm baseline.
+
+    As ``experiments.maxsize`` does on CPU: each probe measures the peaks, the next edge is predicted
+    from them (peak ~ a + b * pixels), then bracketed and bisected to ``tolerance``. Probes are appended
+    to ``out`` (``purpose: maxsize``) as they finish."""
+    from experiments.maxsize import predict
+
+    probes: dict[int, dict] = {}
+    size = start
+    for _ in range(max_probes):
+        path = os.path.join(folder, f"maxsize_{size}.tif")
+        if not os.path.exists(path):  # level 0 only, 256-pixel tiles: any multiple of 256 is a slide
+            synthetic_slide(path + ".partial", size, levels=1, tile=quantum, seed=1, tissue=0.5)
+            os.replace(path + ".partial", path)
+        r = probe_peak(kind, open_image(path, scale=1 / 255), workers)
+        r.update(status="ok", size=size, fits=r["peak_bytes_max"] <= budget)
+        probes[size] = r
+        records.append(out, {"bench": "slides", "purpose": "maxsize", "kind": kind, "size": size,
+                             "budget_bytes": budget, "workers": workers, "fits": r["fits"],
+                             "peak_bytes_max": r["peak_bytes_max"], "peak_process": r["peak_process"],
+                             "driver_peak_bytes": r["driver_peak_bytes"], "worker_peak_bytes": r["worker_peak_bytes"],
+                             "step_s": r["step_s"], "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        print(f"  {kind} {size}^2: peak {r['peak_bytes_max'] / MiB:.0f} MiB ({r['peak_process']}) -> "
+              f"{'fits' if r['fits'] else 'does not fit'}", flush=True)
+        lo = max((s for s, p in probes.items() if p["fits"]), default=None)
+        hi = min((s for s, p in probes.items() if not p["fits"]), default=None)
+        step = max(quantum, int(tolerance * (lo or size)))
+        if lo is not None and hi is not None and hi - lo <= step:
+            break
+        guess = predict(probes, budget, 2)
+        if lo is not None and hi is not None:
+            nxt = guess if guess is not None and lo + step <= guess <= hi - step else (lo + hi) / 2
+        elif lo is not None:
+            nxt = max(guess or 2 * lo, lo + step)
+        else:
+            nxt = min(guess or hi / 2, hi * 0.7)
+        size = max(quantum, int(nxt) // quantum * quantum)
+        if size in probes:
+            break
+    lo = max((s for s, p in probes.items() if p["fits"]), default=None)
+    hi = min((s for s, p in probes.items() if not p["fits"]), default=None)
+    return {"bench": "slides", "kind": "maxsize", "input": kind, "budget_bytes": budget, "workers": workers,
+            "max_size": lo, "first_failing_size": hi, "judged_by": "measured_peak_rss",
+            "peak_bytes_at_max": probes[lo]["peak_bytes_max"] if lo else None,
+            "probes": [{"size": s, "peak_bytes_max": p["peak_bytes_max"], "peak_process": p["peak_process"],
+                        "fits": p["fits"]} for s, p in sorted(probes.items())],
+            "env": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def main_maxsize(args) -> None:
+    from experiments.sweep import parse_amount
+
+    budget = parse_amount(args.maxsize)
+    print(f"largest RGB slide that trains (SlideCNN, grid (2, 2), {args.workers} workers) with every process "
+          f"within {budget / MiB:.0f} MiB\n")
+    found = {}
+    for kind in args.only.split(","):
+        if kind == "prefetch":
+            continue  # the same memory as sources, one read ahead
+        found[kind] = largest_slide(kind, budget, args.workers, args.folder, args.out)
+        records.append(args.out, found[kind])
+    print("\n| input | largest edge | pixels | limited by |\n|---|---|---|---|")
+    for kind, r in found.items():
+        at = next((p for p in r["probes"] if p["size"] == r["max_size"]), None)
+        print(f"| {kind} | {r['max_size']} | {(r['max_size'] or 0) ** 2 / 1e6:.0f} M | "
+              f"{at['peak_process'] if at else '-'} |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=16384)
@@ -84,8 +164,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="results/bench_slides.jsonl")
     parser.add_argument("--only", default="sources,prefetch,tensor",
                         help="which inputs: the tensor path needs the slide ~3x over on the driver (16,384^2: ~9 GiB)")
+    parser.add_argument("--maxsize", metavar="BUDGET", default=None,
+                        help="instead: the largest slide each input trains with every process within BUDGET "
+                             "(e.g. 1GiB), sources against the tensor held by the driver")
     args = parser.parse_args(argv)
     os.makedirs(args.folder, exist_ok=True)
+    if args.maxsize:
+        return main_maxsize(args)
     path = os.path.join(args.folder, f"bench_{args.size}.tif")
     if not os.path.exists(path):
         synthetic_slide(path + ".partial", args.size, levels=3, seed=1, tissue=0.5)

@@ -164,6 +164,18 @@ class SpmdModel(ParallelModel):
         parts = [out if i == self.mesh.replica else p.to(out.device) for i, p in enumerate(parts)]
         return torch.cat(parts)
 
+    def _whole_map(self, plan, out: torch.Tensor) -> torch.Tensor:
+        """For a loss that is not computed per shard: the whole batch's dense output on every rank, where
+        only this rank's shard carries gradient. Every rank backpropagates the same loss, so each
+        gradient reaches its own shard only, and the sum over ranks is the single-process gradient. Like
+        the driver mode, which gathers the map on the driver, this holds the whole map on every rank."""
+        parts = [None] * self.world.size
+        dist.all_gather_object(parts, out.detach().cpu())
+        parts = [p.to(out.device) for p in parts]
+        parts[self.world.rank] = out
+        s = self.mesh.spatial
+        return torch.cat([join_shards(parts[r * s:(r + 1) * s], plan.grid) for r in range(self.replicas)])
+
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
         checks.check_optimizer_class(cls)
@@ -182,15 +194,12 @@ class SpmdModel(ParallelModel):
             total = sums[1].item() if den is not None else None
             (num / total if total is not None else num).backward()
             return sums[0] / total if total is not None else sums[0]
-        if plan.out_shape is not None:
-            raise ValueError("this loss is not computed per shard, so it needs the whole output map; bigconv's SPMD "
-                             "mode computes MSELoss, L1Loss, BCEWithLogitsLoss and CrossEntropyLoss per shard, or "
-                             "any loss on a replicated (pooled) output")
-        whole = self._whole_batch_head(out)
+        dense_map = plan.out_shape is not None
+        whole = self._whole_map(plan, out) if dense_map else self._whole_batch_head(out)
         loss = loss_fn(whole, y.to(out.device))
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        if self.mesh.shard == 0:
+        if dense_map or self.mesh.shard == 0:
             loss.backward()
         else:  # same graph, zero gradient: the halo exchanges of backward still need this rank
             out.backward(torch.zeros_like(out))
