@@ -128,7 +128,7 @@ def largest_slide(kind: str, budget: int, workers: int, folder: str, out: str, *
             break
     lo = max((s for s, p in probes.items() if p["fits"]), default=None)
     hi = min((s for s, p in probes.items() if not p["fits"]), default=None)
-    return {"bench": "slides", "kind": "maxsize", "input": kind, "budget_bytes": budget, "workers": workers,
+    return {"bench": "slides", "kind": "slide_maxsize", "input": kind, "budget_bytes": budget, "workers": workers,
             "max_size": lo, "first_failing_size": hi, "judged_by": "measured_peak_rss",
             "peak_bytes_at_max": probes[lo]["peak_bytes_max"] if lo else None,
             "probes": [{"size": s, "peak_bytes_max": p["peak_bytes_max"], "peak_process": p["peak_process"],

@@ -178,3 +178,24 @@ def test_size_search_when_nothing_fits(tmp_path):
     r = search(RunConfig(model="cnn2d", workers=2, size=64), MiB, 64, out=str(tmp_path / "m.jsonl"), runner=oom,
                echo=lambda s: None, max_probes=4)
     assert r["max_size"] is None and len(r["probes"]) == 4
+
+
+def test_largest_slide_search_brackets_the_budget(tmp_path, monkeypatch):
+    """``bench_slides --maxsize``'s search with a fake probe whose peak grows with the pixels: it
+    finds the largest 256-multiple within the budget, records every probe, and keeps its answer
+    out of the size-search plots (``kind: slide_maxsize``)."""
+    from experiments import bench_slides
+
+    budget = 1024 * MiB
+    peak = lambda edge: 40 * MiB + 5 * edge * edge  # noqa: E731  (the true edge at the budget: 14,365)
+    monkeypatch.setattr(bench_slides, "synthetic_slide", lambda path, size, **kw: open(path, "w").close())
+    monkeypatch.setattr(bench_slides, "open_image", lambda path, **kw: int(path.split("_")[-1].split(".")[0]))
+    monkeypatch.setattr(bench_slides, "probe_peak", lambda kind, edge, workers: {
+        "peak_bytes_max": peak(edge), "peak_process": "worker", "driver_peak_bytes": 0,
+        "worker_peak_bytes": [peak(edge)], "step_s": 1.0})
+    out = str(tmp_path / "slides.jsonl")
+    r = bench_slides.largest_slide("sources", budget, 4, str(tmp_path), out)
+    assert r["max_size"] == 14336 and r["first_failing_size"] - r["max_size"] <= 0.03 * r["max_size"]
+    assert peak(r["max_size"]) <= budget < peak(r["first_failing_size"])
+    assert len(r["probes"]) <= 8 and r["kind"] == "slide_maxsize"
+    assert [p["size"] for p in r["probes"]] == [rec["size"] for rec in records.load(out)]
