@@ -1,8 +1,8 @@
 """Synthetic slides for tests and demos: a tiled pyramidal RGB TIFF written quickly on a small CPU.
 
 Level 0 is a grid of ``tile``-sized tiles drawn from a small palette (a fraction of them tissue-like
-colour patterns, the rest white glass), so the file compresses well and is written in seconds even at
-16,384². Each further level halves the previous one (2x2 mean, rounded), written as reduced pages
+colour patterns, the rest white glass). With zlib (the default) each distinct tile is compressed once
+and its bytes are written wherever it repeats, so a 16,384² pyramid is written in seconds. Each further level halves the previous one (2x2 mean, rounded), written as reduced pages
 (``subfiletype=1``) as OpenSlide expects, with the resolution tags that give microns per pixel.
 The pixels are a pure function of the arguments: ``synthetic_slide`` run twice writes the same image.
 """
@@ -27,11 +27,31 @@ def _palette(tile: int, count: int, seed: int) -> list[np.ndarray]:
     return tiles
 
 
-def _level0_tile(i: int, j: int, palette: list[np.ndarray], tissue: float, seed: int, tile: int) -> np.ndarray:
+def _level0_key(i: int, j: int, count: int, tissue: float, seed: int) -> int | None:
+    """Which palette tile sits at (i, j) of level 0; None for white glass."""
     h = np.random.default_rng([seed, i, j])
     if h.random() >= tissue:
-        return np.full((tile, tile, 3), 255, np.uint8)
-    return palette[int(h.integers(len(palette)))]
+        return None
+    return int(h.integers(count))
+
+
+def _level0_tile(i: int, j: int, palette: list[np.ndarray], tissue: float, seed: int, tile: int) -> np.ndarray:
+    key = _level0_key(i, j, len(palette), tissue, seed)
+    return np.full((tile, tile, 3), 255, np.uint8) if key is None else palette[key]
+
+
+def _encoded_tiles(get, key, r: int, c: int, level: int):
+    """Level ``level``'s tiles as zlib streams, each distinct tile compressed once: a tile is a pure
+    function of its key (its palette tiles beneath), and most keys repeat (white glass, the palette)."""
+    import zlib
+
+    done: dict = {}
+    for i in range(r):
+        for j in range(c):
+            k = key(level, i, j)
+            if k not in done:
+                done[k] = zlib.compress(np.ascontiguousarray(get(i, j)).tobytes(), 6)
+            yield done[k]
 
 
 def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels: int = 3, *, tile: int = 512,
@@ -56,12 +76,19 @@ def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels
 
     def reduced(get, i, j):  # one tile of the next level from 2x2 tiles of this one
         block = np.concatenate([np.concatenate([get(2 * i + a, 2 * j + b) for b in (0, 1)], axis=1) for a in (0, 1)])
-        mean = block.reshape(tile, 2, tile, 2, 3).astype(np.uint16).sum(axis=(1, 3))
-        return ((mean + 2) // 4).astype(np.uint8)
+        b = block.astype(np.uint16)  # four strided adds: numpy's sum over the 2x2 axes is 10x slower
+        total = b[0::2, 0::2] + b[1::2, 0::2] + b[0::2, 1::2] + b[1::2, 1::2]
+        return ((total + 2) // 4).astype(np.uint8)
 
     getters = [level0]
     for _ in range(1, levels):
         getters.append(lambda i, j, g=getters[-1]: reduced(g, i, j))
+
+    def key(level, i, j):
+        if level == 0:
+            return _level0_key(i, j, len(tiles), tissue, seed)
+        return tuple(key(level - 1, 2 * i + a, 2 * j + b) for a in (0, 1) for b in (0, 1))
+
     path = os.fspath(path)
     if format == "zarr":
         return _write_ome_zarr(path, getters, rows, cols, tile, mpp)
@@ -71,7 +98,9 @@ def synthetic_slide(path: str | os.PathLike, size: int | tuple[int, int], levels
     with tifffile.TiffWriter(path, bigtiff=height * width * 3 > 2**31) as tw:
         for k, get in enumerate(getters):
             r, c = rows >> k, cols >> k
-            tw.write((get(i, j) for i in range(r) for j in range(c)), shape=(r * tile, c * tile, 3), dtype=np.uint8,
+            data = (_encoded_tiles(get, key, r, c, k) if compression == "zlib" else
+                    (get(i, j) for i in range(r) for j in range(c)))
+            tw.write(data, shape=(r * tile, c * tile, 3), dtype=np.uint8,
                      tile=(tile, tile), photometric="rgb", compression=compression,
                      subfiletype=1 if k else 0, resolution=(res / 2**k, res / 2**k), resolutionunit="CENTIMETER",
                      metadata=None)
