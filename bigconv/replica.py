@@ -10,7 +10,6 @@ replica stays bit-for-bit equal.
 from __future__ import annotations
 
 import pickle
-import time
 from collections import defaultdict
 
 import torch
@@ -91,17 +90,7 @@ class Replica:
             transport.flush()  # RPC pushes
 
     def _read(self, read: ShardRead) -> torch.Tensor:
-        """``read``'s tensor: prefetched, or read now. ``read_s`` counts the time the step waited."""
-        start = time.perf_counter()
-        ahead = prefetch.take(read, self.rt.timeout)
-        if ahead is None:
-            tensor = read.read()
-        else:
-            tensor, took = ahead
-            self.rt.stats["prefetch_read_s"] += took
-        self.rt.stats["read_s"] += time.perf_counter() - start
-        self.rt.stats["read_bytes"] += read.stored_bytes
-        return tensor
+        return prefetch.take_or_read(read, self.rt.timeout, self.rt.stats)
 
     def predict(self, call: int, grid, shape, x, path: str, box) -> None:
         """Run this shard without gradients and write its output region into the zarr array at ``path``."""

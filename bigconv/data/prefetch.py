@@ -47,3 +47,18 @@ def take(read: ShardRead, timeout: float) -> tuple[torch.Tensor, float] | None:
     if future is None:
         return None
     return future.result(timeout=timeout)
+
+
+def take_or_read(read: ShardRead, timeout: float, stats: dict) -> torch.Tensor:
+    """``read``'s tensor: prefetched, or read now. In ``stats``: ``read_s``, the time the caller waited;
+    ``prefetch_read_s``, a prefetched read's own duration; ``read_bytes``, what came from the files."""
+    start = time.perf_counter()
+    ahead = take(read, timeout)
+    if ahead is None:
+        tensor = read.read()
+    else:
+        tensor, took = ahead
+        stats["prefetch_read_s"] += took
+    stats["read_s"] += time.perf_counter() - start
+    stats["read_bytes"] += read.stored_bytes
+    return tensor

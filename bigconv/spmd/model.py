@@ -16,7 +16,6 @@ sent anywhere.
 from __future__ import annotations
 
 import math
-import time
 from typing import Callable
 
 import torch
@@ -113,17 +112,7 @@ class SpmdModel(ParallelModel):
                          class_index_targets(SourceBatch(y), loss_fn))
 
     def _read(self, read: ShardRead) -> torch.Tensor:
-        """``read``'s tensor: prefetched (``prefetch``), or read now. ``read_s``: the time the step waited."""
-        start = time.perf_counter()
-        ahead = prefetch.take(read, self.world.timeout)
-        if ahead is None:
-            tensor = read.read()
-        else:
-            tensor, took = ahead
-            self.stats["prefetch_read_s"] += took
-        self.stats["read_s"] += time.perf_counter() - start
-        self.stats["read_bytes"] += read.stored_bytes
-        return tensor
+        return prefetch.take_or_read(read, self.world.timeout, self.stats)
 
     def _local_input(self, plan, x) -> torch.Tensor:
         if is_source_batch(x):
