@@ -109,21 +109,31 @@ def spmd_time_rows(w: Workload, single: dict, out: str, base: dict) -> list[str]
 
 
 def main_spmd(args, w: Workload, base: dict) -> None:
-    base = {**base, "bench": "core-spmd"}
+    _tables(args, w, {**base, "bench": "core-spmd"}, spmd_memory_rows, spmd_time_rows,
+            "| ranks | grid | per-rank peak (MiB) | single / N (MiB) | single / (N·peak) |",
+            "| run | best step (s) | worst step (s) | speedup over plain | halo wait per step, slowest rank (s) |",
+            record_single_memory=False)
+
+
+def _tables(args, w: Workload, base: dict, memory, timing, memory_head: str, time_head: str,
+            record_single_memory: bool = True) -> None:
+    """The memory table against the plain process with all cores, then (unless ``--skip-time``) the
+    step-time table against the plain process with one thread."""
     single_mem = plain_in_fresh_process(w, threads=max(1, os.cpu_count() or 1))
-    print("\n| ranks | grid | per-rank peak (MiB) | single / N (MiB) | single / (N·peak) |")
-    print("|---|---|---|---|---|")
-    for row in spmd_memory_rows(w, [int(n) for n in args.workers.split(",")], single_mem, args.out, base):
+    if record_single_memory:
+        append(args.out, {**base, "kind": "memory", "workers": 0, "peak_bytes": single_mem["peak_bytes"],
+                          "sources": single_mem["sources"]})
+    print(f"\n{memory_head}\n{'|---' * memory_head.count(' | ')}|---|")
+    for row in memory(w, [int(n) for n in args.workers.split(",")], single_mem, args.out, base):
         print(row, flush=True)
-    print(f"\nsingle process peak: {single_mem['peak_bytes'] / MiB:.1f} MiB")
+    print(f"\nsingle process peak: {single_mem['peak_bytes'] / MiB:.1f} MiB ({', '.join(single_mem['sources'])})")
     if args.skip_time:
         return
     single_time = plain_in_fresh_process(w, threads=1)
     append(args.out, {**base, "kind": "time", "workers": 0, "threads_per_worker": 1, "step_s": single_time["step_s"],
                       "step_times_s": single_time["step_times_s"]})
-    print("\n| run | best step (s) | worst step (s) | speedup over plain | halo wait per step, slowest rank (s) |")
-    print("|---|---|---|---|---|")
-    for row in spmd_time_rows(w, single_time, args.out, base):
+    print(f"\n{time_head}\n{'|---' * time_head.count(' | ')}|---|")
+    for row in timing(w, single_time, args.out, base):
         print(row, flush=True)
 
 
@@ -144,24 +154,9 @@ def main(argv=None) -> None:
           f"{os.cpu_count()} cores; torch {base['env']['torch']}")
     if args.mode == "spmd":
         return main_spmd(args, w, base)
-    single_mem = plain_in_fresh_process(w, threads=max(1, os.cpu_count() or 1))
-    append(args.out, {**base, "kind": "memory", "workers": 0, "peak_bytes": single_mem["peak_bytes"],
-                      "sources": single_mem["sources"]})
-    print("\n| workers | grid | per-worker peak (MiB) | single / N (MiB) | halo (MiB) | target (MiB) | meets |")
-    print("|---|---|---|---|---|---|---|")
-    for row in memory_rows(w, [int(n) for n in args.workers.split(",")], single_mem, args.out, base):
-        print(row, flush=True)
-    print(f"\nsingle process peak: {single_mem['peak_bytes'] / MiB:.1f} MiB ({', '.join(single_mem['sources'])})")
-    if args.skip_time:
-        return
-    single_time = plain_in_fresh_process(w, threads=1)
-    append(args.out, {**base, "kind": "time", "workers": 0, "threads_per_worker": 1, "step_s": single_time["step_s"],
-                      "step_times_s": single_time["step_times_s"]})
-    print("\n| run | best step (s) | worst step (s) | speedup over plain (best steps) |")
-    print("|---|---|---|---|")
-    for row in time_rows(w, single_time, args.out, base):
-        print(row, flush=True)
-
+    _tables(args, w, base, memory_rows, time_rows,
+            "| workers | grid | per-worker peak (MiB) | single / N (MiB) | halo (MiB) | target (MiB) | meets |",
+            "| run | best step (s) | worst step (s) | speedup over plain (best steps) |")
 
 if __name__ == "__main__":
     main()

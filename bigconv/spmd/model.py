@@ -153,18 +153,6 @@ class SpmdModel(ParallelModel):
         parts = [out if i == self.mesh.replica else p.to(out.device) for i, p in enumerate(parts)]
         return torch.cat(parts)
 
-    def _whole_map(self, plan, out: torch.Tensor) -> torch.Tensor:
-        """For a loss that is not computed per shard: the whole batch's dense output on every rank, where
-        only this rank's shard carries gradient. Every rank backpropagates the same loss, so each
-        gradient reaches its own shard only, and the sum over ranks is the single-process gradient. Like
-        the driver mode, which gathers the map on the driver, this holds the whole map on every rank."""
-        parts = [None] * self.world.size
-        dist.all_gather_object(parts, out.detach().cpu())
-        parts = [p.to(out.device) for p in parts]
-        parts[self.world.rank] = out
-        s = self.mesh.spatial
-        return torch.cat([join_shards(parts[r * s:(r + 1) * s], plan.grid) for r in range(self.replicas)])
-
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
         checks.check_optimizer_class(cls)
@@ -184,7 +172,10 @@ class SpmdModel(ParallelModel):
             (num / total if total is not None else num).backward()
             return sums[0] / total if total is not None else sums[0]
         dense_map = plan.out_shape is not None
-        whole = self._whole_map(plan, out) if dense_map else self._whole_batch_head(out)
+        # A loss not computed per shard sees the whole batch's map on every rank, only this rank's shard
+        # carrying gradient: every rank backpropagates the same loss, so the sum over ranks is the
+        # single-process gradient (the driver mode gathers the map on the driver instead).
+        whole = self._gather_dense(plan, out, live=True) if dense_map else self._whole_batch_head(out)
         loss = loss_fn(whole, y.to(out.device))
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
@@ -224,10 +215,14 @@ class SpmdModel(ParallelModel):
         input_grad = self._gather_dense(plan, grad.detach() if grad is not None else torch.zeros_like(self.last_input))
         return float(loss), input_grad, params
 
-    def _gather_dense(self, plan, local: torch.Tensor, grid=None) -> torch.Tensor:
-        """Every rank's shard, joined into the whole batch on every rank."""
+    def _gather_dense(self, plan, local: torch.Tensor, grid=None, live: bool = False) -> torch.Tensor:
+        """Every rank's shard, joined into the whole batch on every rank (on the CPU); with ``live``, on
+        ``local``'s device with this rank's own part ``local`` itself, so it carries gradient."""
         parts = [None] * self.world.size
         dist.all_gather_object(parts, local.detach().cpu())
+        if live:
+            parts = [p.to(local.device) for p in parts]
+            parts[self.world.rank] = local
         s = self.mesh.spatial
         replicas = [join_shards(parts[r * s:(r + 1) * s], grid or plan.grid) for r in range(self.replicas)]
         return torch.cat(replicas)
