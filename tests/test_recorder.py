@@ -6,6 +6,7 @@ a source it did not use, or a missing NVML/GPU would crash a run instead of bein
 
 from __future__ import annotations
 
+import mmap
 import time
 from types import SimpleNamespace
 
@@ -73,11 +74,16 @@ def fake_rss():
 def test_cpu_process_records_rss_and_cpu_share():
     """On CPU: RSS is the only memory source, utilization is the process's CPU share."""
     rec = Recorder("cpu", interval_s=0.01).start()  # share of torch's intra-op threads
-    block = torch.ones(32 * 2**20 // 4)  # 32 MiB, touched
+    # Fresh pages from the kernel: a torch or malloc block may reuse heap already resident from
+    # earlier tests in the session (glibc's mmap threshold grows), and then RSS does not rise.
+    block = mmap.mmap(-1, 32 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    small = torch.ones(2**16)
     end = time.process_time() + 0.05
     while time.process_time() < end:  # busy: the CPU share must be high
-        block.add_(1)
-    del block
+        small.add_(1)
+    block.close()
     r = rec.stop()
     assert r["sources"] == ["rss_hwm_reset"] and r["peak_source"] == "peak_rss_bytes"
     assert r["peak_bytes"] >= 24 * 2**20
