@@ -2,6 +2,7 @@
 
     python -m experiments.bench_slides                   # one 16,384^2 RGB slide, 4 workers
     python -m experiments.bench_slides --size 4096       # a quick look
+    python -m experiments.bench_slides --compression jpeg --only sources,prefetch   # JPEG tiles
     python -m experiments.bench_slides --maxsize 1GiB    # the largest slide within 1 GiB per process
 
 The same training (``bigconv.models.SlideCNN``, batch 1, SGD, grid 2x2, float32) in two ways, each
@@ -184,6 +185,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--compression", default="zlib", choices=("zlib", "jpeg"),
+                        help="how the slide's tiles are stored (jpeg: tifffile's default quality, YCbCr)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--folder", default=os.path.join(os.path.expanduser("~"), ".cache", "bigconv_slides"))
     parser.add_argument("--out", default="results/bench_slides.jsonl")
@@ -196,20 +199,22 @@ def main(argv=None) -> None:
     os.makedirs(args.folder, exist_ok=True)
     if args.maxsize:
         return main_maxsize(args)
-    path = os.path.join(args.folder, f"bench_{args.size}.tif")
+    suffix = "" if args.compression == "zlib" else f"_{args.compression}"
+    path = os.path.join(args.folder, f"bench_{args.size}{suffix}.tif")
     if not os.path.exists(path):
-        synthetic_slide(path + ".partial", args.size, levels=3, seed=1, tissue=0.5)
+        synthetic_slide(path + ".partial", args.size, levels=3, seed=1, tissue=0.5, compression=args.compression)
         os.replace(path + ".partial", path)
     source = open_image(path, scale=1 / 255)
     slide = 4 * int(np.prod(source.shape))
     env = environment()
-    print(f"one {args.size}x{args.size} RGB slide ({slide / MiB:.0f} MiB as float32), {args.workers} workers, "
+    print(f"one {args.size}x{args.size} RGB slide of {args.compression} tiles ({slide / MiB:.0f} MiB as float32), "
+          f"{args.workers} workers, "
           f"grid (2, 2), {args.steps} steps after a warm-up\n")
     print("| input | driver peak (MiB) | share of the slide | driver after warm-up (MiB) | lazy imports (MiB) | "
           "worker peak (MiB, max) | step (s, median) | read MB/s per worker | read share of step |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for kind in args.only.split(","):
-        r = {**run(kind, source, args.steps, args.workers), "size": args.size, "slide_float32_bytes": slide,
+        r = {**run(kind, source, args.steps, args.workers), "size": args.size, "compression": args.compression, "slide_float32_bytes": slide,
              "workers": args.workers, "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         records.append(args.out, {"bench": "slides", **r})
         rates = [v for v in r["read_mb_per_s"] if v]

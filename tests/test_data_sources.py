@@ -266,3 +266,22 @@ def test_ome_zarr_slide_reads_the_tiff_slide_pixels(tmp_path):
         box = ((3, a.shape[1] - 5), (7, a.shape[2] - 2))
         assert np.array_equal(a.read(box), b.read(box))
     assert open_image(ome, mpp=0.5).level == 1 and open_image(ome, mpp=1.0).level == 2
+
+
+def test_jpeg_slide_boxes_match_the_whole_page_decode(tmp_path):
+    """JPEG tiles (YCbCr, as scanners store them): a box across tile borders is the same slice of the
+    page that tifffile decodes whole, on every level; and the lossy pixels stay near the zlib slide's."""
+    import tifffile
+
+    jpg = synthetic_slide(tmp_path / "j.tif", (256, 512), levels=2, tile=64, seed=4, compression="jpeg")
+    zl = synthetic_slide(tmp_path / "z.tif", (256, 512), levels=2, tile=64, seed=4)
+    with tifffile.TiffFile(jpg) as tf:
+        assert tf.pages[0].compression == 7 and tf.pages[0].photometric == 6  # JPEG, YCbCr
+        pages = [level.asarray() for level in tf.series[0].levels]
+    for level, page in enumerate(pages):
+        src = open_image(jpg, level=level)
+        box = ((30, src.shape[1] - 9), (61, src.shape[2] - 3))
+        got = src.read(box)
+        assert np.array_equal(got, page[30:src.shape[1] - 9, 61:src.shape[2] - 3].transpose(2, 0, 1))
+        diff = got.astype(np.int16) - open_image(zl, level=level).read(box)
+        assert np.abs(diff).mean() < 6, np.abs(diff).mean()
