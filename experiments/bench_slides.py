@@ -5,16 +5,24 @@
     python -m experiments.bench_slides --compression jpeg --only sources,prefetch   # JPEG tiles
     python -m experiments.bench_slides --maxsize 1GiB    # the largest slide within 1 GiB per process
 
-The same training (``bigconv.models.SlideCNN``, batch 1, SGD, grid 2x2, float32) in two ways, each
-in a fresh World: ``sources``, where the driver sends each worker a path and its box, and
-``tensor``, where the driver reads the whole slide into one float32 tensor and sends each worker its
-shard (the only way before ``bigconv.data``); and ``prefetch``, sources whose next step's boxes the
-workers read while the current step trains (``net.prefetch``). After one warm-up step, over ``--steps`` steps: the
-driver's and every worker's peak RSS above what they held after the warm-up, the step time, and each
-worker's read throughput (MB/s of stored uint8) and the share of the step it waited for its reads.
-The driver's first-step peak is taken from after the libraries it runs are imported, torch's lazily
-imported sympy included (``import_lazy_libraries``; its cost is recorded as ``driver_import_bytes``).
-Target: driver peak <= 2% of the slide's float32 size. Appends to ``results/bench_slides.jsonl``.
+The same training (``bigconv.models.SlideCNN``, batch 1, SGD, grid 2x2, float32) in several ways,
+each distributed one in a fresh World:
+
+- ``single``: plain PyTorch in this process, the whole slide read into one tensor each step; the
+  reference for the workers' peaks (single/(N·peak)); ``shard``: the same on one worker's box alone;
+- ``sources``: the driver sends each worker a path and its box, and the worker reads it;
+- ``prefetch``: sources whose next step's boxes the workers read while the current step trains
+  (``net.prefetch``), with the pipeline filled by one untimed step, as a loader does;
+- ``tensor``: the driver reads the whole slide into one float32 tensor and sends each worker its
+  shard (the only way before ``bigconv.data``).
+
+After one warm-up step, over ``--steps`` steps: the driver's and every worker's peak RSS above what
+they held after the warm-up, the step time, and each worker's read throughput (MB/s of stored uint8)
+and the share of the step it waited for its reads. The driver's first-step peak is taken from after
+the libraries it runs are imported, torch's lazily imported meta kernels included
+(``import_lazy_libraries``; their cost is recorded as ``driver_import_bytes``).
+Targets: driver peak <= 2% of the slide's float32 size; with prefetching, reads <= 10% of a step.
+Appends to ``results/bench_slides.jsonl``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import bigconv
 from bigconv import memory, worker
 from bigconv.data import SourceBatch, open_image, synthetic_slide
 from bigconv.dry_run import dry_run, meta_copy
+from bigconv.geometry import shard_box
 from bigconv.harness import records
 from bigconv.harness.workload import environment
 from bigconv.memory import PeakMeter
@@ -50,6 +59,42 @@ def import_lazy_libraries() -> int:
     before = memory.rss_bytes() or 0
     dry_run(meta_copy(SlideCNN()), (2, 2), (1, 3, 256, 256), torch.float32, training=True)
     return (memory.rss_bytes() or 0) - before
+
+
+def in_fresh_process(fn, *args):
+    """``fn(*args)`` in a new process: a peak above the baseline is only the run's own if no earlier run
+    left freed memory resident for it to reuse."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def run_single(source, steps: int, crop=None) -> dict:
+    """The references the workers' peaks are judged against: plain PyTorch in this process, the whole
+    slide (or, with ``crop``, one shard's box of it) read into one float32 tensor every step; its peak
+    RSS above what it held after a warm-up step."""
+    torch.manual_seed(0)
+    model, y = SlideCNN(), torch.tensor([1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    views = [source.view(crop=crop), source.view(crop=crop, dihedral=2)]
+
+    def step(view) -> None:
+        x = SourceBatch([view]).read()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.CrossEntropyLoss()(model(x), y).backward()
+        opt.step()
+
+    step(views[0])
+    meter, times = PeakMeter(), []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(views[(i + 1) % 2])
+        times.append(time.perf_counter() - t0)
+    return {"kind": "single" if crop is None else "single_shard", "crop": crop,
+            "single_peak_bytes": meter.read()["peak_rss_bytes"], "step_s": min(times),
+            "step_median_s": statistics.median(times), "step_times_s": times}
 
 
 def run(kind: str, source, steps: int, workers: int) -> dict:
@@ -190,8 +235,10 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--folder", default=os.path.join(os.path.expanduser("~"), ".cache", "bigconv_slides"))
     parser.add_argument("--out", default="results/bench_slides.jsonl")
-    parser.add_argument("--only", default="sources,prefetch,tensor",
-                        help="which inputs: the tensor path needs the slide ~3x over on the driver (16,384^2: ~9 GiB)")
+    parser.add_argument("--only", default="single,shard,sources,prefetch,tensor",
+                        help="which runs: single is plain PyTorch in one process (the reference for the "
+                             "workers' peaks); the tensor path needs the slide ~3x over on the driver "
+                             "(16,384^2: ~9 GiB)")
     parser.add_argument("--maxsize", metavar="BUDGET", default=None,
                         help="instead: the largest slide each input trains with every process within BUDGET "
                              "(e.g. 1GiB), sources against the tensor held by the driver")
@@ -213,18 +260,35 @@ def main(argv=None) -> None:
     print("| input | driver peak (MiB) | share of the slide | driver after warm-up (MiB) | lazy imports (MiB) | "
           "worker peak (MiB, max) | step (s, median) | read MB/s per worker | read share of step |\n"
           "|---|---|---|---|---|---|---|---|---|")
+    single = shard = None
     for kind in args.only.split(","):
-        r = {**run(kind, source, args.steps, args.workers), "size": args.size, "compression": args.compression, "slide_float32_bytes": slide,
+        if kind == "single":
+            measured = in_fresh_process(run_single, source, args.steps)
+        elif kind == "shard":  # one worker's box of the 2x2 grid, alone: what plain PyTorch needs for it
+            measured = in_fresh_process(run_single, source, args.steps, shard_box(source.spatial, (2, 2), (0, 0)))
+        else:
+            measured = run(kind, source, args.steps, args.workers)
+        r = {**measured, "size": args.size, "compression": args.compression, "slide_float32_bytes": slide,
              "workers": args.workers, "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         records.append(args.out, {"bench": "slides", **r})
+        if kind in ("single", "shard"):
+            if kind == "single":
+                single = r["single_peak_bytes"]
+            else:
+                shard = r["single_peak_bytes"]
+            print(f"| plain PyTorch, {'whole slide' if kind == 'single' else 'one shard alone'} | - | - | - | - | "
+                  f"{r['single_peak_bytes'] / MiB:.0f} (the process) | {r['step_median_s']:.2f} | - | - |", flush=True)
+            continue
         rates = [v for v in r["read_mb_per_s"] if v]
         rate = f"{min(rates):.0f}-{max(rates):.0f}" if rates else "-"
         share = f"{max(r['read_share_of_steps']):.2f}" if rates else "-"
+        peak = max(r["worker_peak_bytes"])
+        per_single = f" (single/(N·peak) {single / args.workers / peak:.2f})" if single else ""
+        per_single += f" (shard alone/peak {shard / peak:.2f})" if shard else ""
         print(f"| {kind} | {r['driver_peak_bytes'] / MiB:.1f} | {100 * r['driver_peak_bytes'] / slide:.2f}% | "
               f"{r['driver_steady_peak_bytes'] / MiB:.1f} | {r['driver_import_bytes'] / MiB:.1f} | "
-              f"{max(r['worker_peak_bytes']) / MiB:.0f} | "
+              f"{max(r['worker_peak_bytes']) / MiB:.0f}{per_single} | "
               f"{r['step_median_s']:.2f} | {rate} | {share} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
