@@ -8,6 +8,7 @@ at the first call with a new input shape.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,7 +82,9 @@ class ParallelModel:
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
         payload = to_payload(model)
+        world.drop_retired_models()  # before this one takes their memory
         world.call(worker.install, [(self.id, payload)] * world.workers, "installing the model")
+        weakref.finalize(self, world.retire_model, self.id)
 
     # -- planning (driver only, before remote work) ---------------------------------------------
     def plan(self, x) -> Plan:

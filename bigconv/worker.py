@@ -7,6 +7,7 @@ around the worker's ``Replica`` objects.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -84,6 +85,17 @@ def install(model_id: int, payload: bytes) -> None:
     from .replica import Replica
 
     transport.runtime().models[model_id] = Replica.from_payload(payload)
+
+
+def uninstall(model_ids: list[int]) -> None:
+    models = transport.runtime().models
+    for model_id in model_ids:
+        models.pop(model_id, None)
+    gc.collect()  # a replica's module tree holds reference cycles (hooks, the module path)
+
+
+def installed_models() -> list[int]:
+    return sorted(transport.runtime().models)
 
 
 def replica(model_id: int):

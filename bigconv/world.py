@@ -194,10 +194,7 @@ class World:
         self.timeout = float(timeout)
         self.device = device
         self.threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
-        self.broken: str | None = None
-        self._orphan_contexts: list[int] = []  # contexts left when the world broke; see autograd_context
-        self._procs: list[subprocess.Popen] = []
-        self._closed = self._closing = False
+        self._start_bookkeeping()
         self._store = None
         self.worker_env = dict(WORKER_ENV if worker_env is None else worker_env)
         _claim_process(self)
@@ -206,6 +203,14 @@ class World:
         except BaseException:
             _release_process(self)
             raise
+
+    def _start_bookkeeping(self) -> None:
+        """What every new world starts with, whether it spawned its workers or a launcher did."""
+        self.broken: str | None = None
+        self._procs: list[subprocess.Popen] = []
+        self._closed = self._closing = False
+        self._orphan_contexts: list[int] = []  # contexts left when the world broke; see autograd_context
+        self._retired_models: list[int] = []  # parallel models gone on the driver; see retire_model
 
     # -- startup -----------------------------------------------------------------------------
     def _start_local(self, startup_timeout: float) -> None:
@@ -301,8 +306,7 @@ class World:
         self.timeout = float(timeout)
         self.device = device
         self.threads_per_worker = threads
-        self.broken, self._procs, self._closed, self._closing = None, [], False, False
-        self._orphan_contexts = []
+        self._start_bookkeeping()
         _claim_process(self)
         try:
             self._store = netbind.host_store(info.master_addr, info.port, timeout)
@@ -423,6 +427,21 @@ class World:
                 self._orphan_contexts.append(context_id)
             else:
                 dist_autograd._release_context(context_id)
+
+    def retire_model(self, model_id: int) -> None:
+        """A parallel model is gone on the driver: its replicas can go too. Called from a finalizer, so
+        it only takes note (no RPC from inside garbage collection); ``drop_retired_models`` sends it."""
+        self._retired_models.append(model_id)
+
+    def drop_retired_models(self) -> None:
+        """Free the workers' replicas of retired models. Without this a long-lived world (a notebook, a
+        search over models, a test session) keeps every model it ever ran, weights and optimizer state."""
+        if not self._retired_models or self._closed or self.broken:
+            return
+        from .worker import uninstall
+
+        ids, self._retired_models = self._retired_models, []
+        self.call(uninstall, [(ids,)] * self.workers, "dropping retired models")
 
     def _release_orphan_contexts(self) -> None:
         import torch.distributed.autograd as dist_autograd

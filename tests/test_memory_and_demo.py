@@ -5,13 +5,18 @@ The meter's figures back every memory claim we publish; the demo is the first th
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
+import torch.nn as nn
 
+import bigconv
+from bigconv import worker
 from bigconv.executors import own_padding
 from bigconv.geometry import Window, halo_plan, shard_box
 from bigconv.memory import PeakMeter
@@ -27,6 +32,34 @@ def test_peak_meter_sees_a_freed_allocation():
     assert record["peak_rss_bytes"] >= 48 * 2**20, record
     meter.reset()
     assert meter.read()["peak_rss_bytes"] < 48 * 2**20 or record["sources"] == ["ru_maxrss"]
+
+
+@pytest.mark.world(2)
+@pytest.mark.timeout(180)
+def test_a_model_gone_on_the_driver_frees_its_replicas(world):
+    """A long-lived world (a notebook, a search over models, this test session) must not keep every
+    model it ever ran: each replica here holds 72 MiB of float64 weights and as much momentum."""
+    def rss_mib() -> list[float]:
+        return [psutil.Process(p.pid).memory_info().rss / 2**20 for p in world._procs]
+
+    def train_one() -> int:
+        model = nn.Sequential(nn.Conv2d(1024, 1024, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(1024, 2)).double()
+        net = bigconv.parallelize(model, world, grid=(2, 1))
+        net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
+        net.train_step(torch.randn(1, 1024, 8, 8, dtype=torch.float64), torch.tensor([1]), nn.CrossEntropyLoss())
+        return net.id
+
+    ids, rss = [], []
+    for _ in range(6):
+        ids.append(train_one())  # the net is gone when train_one returns
+        gc.collect()
+        rss.append(rss_mib())
+    installed = world.call(worker.installed_models, [()] * world.workers, "listing models")
+    for models in installed:
+        assert ids[-1] in models and not set(ids[:-1]) & set(models), (ids, installed)
+    grown = [after - before for before, after in zip(rss[1], rss[-1])]
+    assert max(grown) < 150, (grown, rss)  # four more models kept would be ~580 MiB
 
 
 def test_own_padding_falls_back_when_a_shard_skips_rows():
