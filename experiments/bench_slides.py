@@ -52,7 +52,7 @@ def import_lazy_libraries() -> int:
     """Plan the model on a 256^2 input first, and return the resident memory that took: library code.
 
     The dry run's meta kernels are partly Python, and torch imports them on first use: sympy,
-    ``torch._refs``, ``torch._dynamo`` and ``torch.distributed.tensor`` among ~1,100 modules, ~65 MiB,
+    ``torch._refs``, ``torch._dynamo`` and ``torch.distributed.tensor`` among ~850 modules, 65-80 MiB,
     once per process and the same for a 256^2 input as for a slide. Like ``import torch``, which no
     baseline counts, that is not what the driver holds for a slide; the driver's peaks are taken from
     after it, and its cost is recorded beside them (``driver_import_bytes``)."""
