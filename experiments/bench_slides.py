@@ -44,6 +44,7 @@ from bigconv.harness import records
 from bigconv.harness.workload import environment
 from bigconv.memory import PeakMeter
 from bigconv.models import SlideCNN
+from bigconv.world import WORKER_ENV
 
 MiB = 2**20
 
@@ -62,13 +63,20 @@ def import_lazy_libraries() -> int:
 
 
 def in_fresh_process(fn, *args):
-    """``fn(*args)`` in a new process: a peak above the baseline is only the run's own if no earlier run
-    left freed memory resident for it to reuse."""
+    """``fn(*args)`` in a new process under the workers' allocator settings (``WORKER_ENV``), as
+    ``plain_in_fresh_process`` runs its references: a peak above the baseline is then only the run's
+    own (no freed memory left resident by an earlier run) and compares with the workers'."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
+    saved = dict(os.environ)
+    os.environ.update(WORKER_ENV)  # a spawned process takes the environment of the moment it starts
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(fn, *args).result()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def run_single(source, steps: int, crop=None) -> dict:
