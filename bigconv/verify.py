@@ -2,11 +2,20 @@
 
 This is the equivalence check the test suite runs, offered to users too: the evidence that a
 parallelized model is the single-process model, not an approximation of it.
+
+Every tensor is judged against its own size. A model's gradients span many orders of magnitude
+(a ConvNeXt block's layer-scale branch can sit 1e-9 below the stem), and one model-wide denominator
+would let a completely wrong small tensor pass. Where a tensor is legitimately near zero or
+ill-conditioned (a BatchNorm bias whose exact gradient is 0 holds rounding noise; BatchNorm over
+2x2 maps amplifies rounding a millionfold), its denominator is floored by what rounding alone moves
+it in one process: the same single-process training run on inputs perturbed by one ulp per element.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -14,6 +23,16 @@ import torch
 from .data.sources import SourceBatch, is_source_batch, read_targets
 from .parallel import parallelize
 from .world import World  # or an SPMD world
+
+ERROR_KEYS = ("forward", "input_grad", "param_grads", "loss", "weights")
+# A tensor may differ from one process by this many times what a one-ulp change of the input moves it
+# in one process. The decomposition re-associates sums at every layer (shard sums, the gradient
+# allreduce) where the perturbed run changes only the input, so the two noises agree in order of
+# magnitude, not exactly: the factor is that margin.
+NOISE_FACTOR = 10.0
+# Differences of float64 runs are summation order alone (~1e-16 per operation); float32 gets more.
+DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+PERTURBED_RUNS = 2
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -31,10 +50,107 @@ def _scale(t: torch.Tensor) -> float:
     return t.detach().double().abs().max().item() if t.numel() else 0.0
 
 
+@dataclass(frozen=True)
+class TensorError:
+    """How far one tensor of the distributed run is from the single process's.
+
+    ``error`` and ``scale`` are max-norms (of the difference, of the reference); ``noise`` is the
+    max-norm of what a one-ulp input perturbation moves the reference; ``rel`` is
+    ``error / max(scale, NOISE_FACTOR * noise / tol)``, so ``rel <= tol`` means "within tol of its own
+    size, or within NOISE_FACTOR times rounding's own effect on this tensor". Integer tensors are
+    compared exactly: ``rel`` is 0 or inf.
+    """
+
+    category: str
+    name: str
+    rel: float
+    error: float
+    scale: float
+    noise: float
+
+    def as_dict(self) -> dict:
+        return {"category": self.category, "tensor": self.name, "rel": self.rel, "error": self.error,
+                "scale": self.scale, "noise": self.noise}
+
+
+def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor,
+                 perturbed: Sequence[torch.Tensor], tol: float) -> TensorError:
+    """Judge ``got`` against ``ref``; ``perturbed`` are the reference's values on one-ulp-perturbed inputs."""
+    if got is None:  # the distributed run produced nothing where one process has a tensor (a lost gradient)
+        got = torch.zeros_like(ref)
+    if tuple(got.shape) != tuple(ref.shape):
+        return TensorError(category, name, float("inf"), float("inf"), _scale(ref), 0.0)
+    if not ref.is_floating_point():
+        same = torch.equal(got.cpu(), ref.cpu())
+        return TensorError(category, name, 0.0 if same else float("inf"), 0.0 if same else abs_err(got, ref),
+                           _scale(ref), 0.0)
+    error, scale = abs_err(got, ref), _scale(ref)
+    noise = max((abs_err(p, ref) for p in perturbed), default=0.0)
+    denominator = max(scale, NOISE_FACTOR * noise / tol)
+    if math.isnan(error):  # nan compares false with everything: it must read as the worst, not be skipped
+        rel = float("inf")
+    else:
+        rel = error / denominator if denominator > 0 else (0.0 if error == 0 else float("inf"))
+    return TensorError(category, name, rel, error, scale, noise)
+
+
+@dataclass
+class Run:
+    """What one training run yields, in the sequence ``compare_training`` follows: the output of a
+    first forward, the input and parameter gradients of a second, and the losses and state dict of
+    ``steps`` optimizer steps after it."""
+
+    output: torch.Tensor
+    input_grad: torch.Tensor
+    param_grads: dict
+    losses: list
+    state: dict
+
+
+def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, steps: int = 2,
+                 optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None) -> Run:
+    """The single-process run, in the distributed run's order: forward, gradients, ``steps`` steps.
+
+    Both sides run a training forward first, so buffers such as running statistics advance alike.
+    """
+    opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    with torch.no_grad():
+        output = model(x)
+    xr = x.detach().clone().requires_grad_(True)
+    loss_fn(model(xr), y).backward()
+    param_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    opt = optimizer(model.parameters(), **opt_kwargs)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return Run(output, xr.grad, param_grads, losses, model.state_dict())
+
+
+def perturb_one_ulp(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """``x`` with every element moved one ulp up or down (a fixed random sign per element)."""
+    if not x.is_floating_point():
+        return x
+    up = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    toward = torch.where(up, torch.tensor(float("inf"), dtype=x.dtype), torch.tensor(float("-inf"), dtype=x.dtype))
+    return torch.nextafter(x, toward.to(x.device))
+
+
 def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                      grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
-                     replicas: int = 1, **opt_kwargs) -> dict:
-    """Errors of the distributed forward, losses and weights after ``steps`` optimizer steps.
+                     replicas: int = 1, tol: float | None = None, **opt_kwargs) -> dict:
+    """Errors of the distributed forward, gradients, losses and weights after ``steps`` optimizer steps.
+
+    Each of ``forward``, ``input_grad``, ``param_grads``, ``loss`` and ``weights`` is the worst
+    ``TensorError.rel`` of its category (every parameter's gradient, every floating weight and
+    buffer, each step's loss, each judged against its own size); ``worst`` names the tensor behind
+    each, and ``tensors`` lists them all. ``exact`` says whether all of them are <= ``tol`` (1e-9
+    for float64, 1e-4 for float32 by default), integer buffers are equal, every replica holds the
+    same weights and the state dict has the plain model's keys.
 
     ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
     single process gets the same pixels read whole. On an SPMD world every rank calls this with the
@@ -43,44 +159,58 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
     xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
     yt = read_targets(y, loss_fn) if is_source_batch(y) else y  # gradients() takes targets as a tensor
-    reference = copy.deepcopy(model)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), xt.dtype)
+    tol = DEFAULT_TOL.get(dtype, 1e-2) if tol is None else tol
+    copies = [copy.deepcopy(model) for _ in range(1 + PERTURBED_RUNS)]
     net = parallelize(model, world, grid=grid, replicas=replicas)
     out = net(x)
-    with torch.no_grad():
-        ref_out = reference(xt)
-    # Gradients before any step. Both sides run a training forward here, so buffers such as
-    # running statistics advance alike.
     _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
-    xr = xt.detach().clone().requires_grad_(True)
-    loss_fn(reference(xr), yt).backward()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
-    reference.zero_grad(set_to_none=True)
     net.optimizer(optimizer, **opt_kwargs)
-    ref_opt = optimizer(reference.parameters(), **opt_kwargs)
-    losses, ref_losses = [], []
-    for _ in range(steps):
-        losses.append(net.train_step(x, y, loss_fn))
-        ref_opt.zero_grad()
-        loss = loss_fn(reference(xt), yt)
-        loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
-    replicas = net.replica_state_dicts()
-    ref_state = reference.state_dict()
-    state_scale = max((_scale(v) for v in ref_state.values()), default=1.0)
-    return {
-        "forward": rel_err(out, ref_out),
-        "input_grad": rel_err(input_grad, xr.grad),
-        # Relative to the largest gradient: a bias followed by normalization has an exactly zero
-        # gradient, which both sides compute as rounding noise.
-        "param_grads": max((abs_err(param_grads.get(n, torch.zeros_like(g)), g) for n, g in ref_grads.items()),
-                           default=0.0) / max((g.abs().max().item() for g in ref_grads.values()), default=1.0),
-        "loss": max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, ref_losses)),
-        # Per tensor, relative to its size, floored at 1e-3 of the state's largest entry: a BatchNorm
-        # bias feeding another BatchNorm has an exactly zero gradient and moves by rounding noise
-        # (1e-17) in both runs; against its own size that noise would read as a large error.
-        "weights": max(abs_err(replicas[0][k], v) / max(_scale(v), 1e-3 * state_scale) for k, v in ref_state.items()),
-        "replicas_equal": all(torch.equal(r[k], replicas[0][k]) for r in replicas for k in ref_state),
-        "keys_match": set(replicas[0]) == set(ref_state),
-        "net": net,
-    }
+    losses = [net.train_step(x, y, loss_fn) for _ in range(steps)]
+    replica_states = net.replica_state_dicts()
+    got = Run(out, input_grad, param_grads, losses, replica_states[0])
+
+    ref = train_single(copies[0], xt, yt, loss_fn, steps, optimizer, opt_kwargs)
+    perturbed = [train_single(m, perturb_one_ulp(xt, seed), yt, loss_fn, steps, optimizer, opt_kwargs)
+                 for seed, m in enumerate(copies[1:], start=1)]
+    result = summarize(judge(got, ref, perturbed, tol), tol)
+    result["replicas_equal"] = all(torch.equal(r[k], replica_states[0][k]) for r in replica_states
+                                   for k in ref.state)
+    result["keys_match"] = set(replica_states[0]) == set(ref.state)
+    result["exact"] = result["exact"] and result["replicas_equal"] and result["keys_match"]
+    result["net"] = net
+    return result
+
+
+def judge(got: Run, ref: Run, perturbed: Sequence[Run], tol: float) -> list[TensorError]:
+    """Every tensor of ``got`` against ``ref``, each floored by what separates ``perturbed`` from ``ref``."""
+    errors = [tensor_error("forward", "output", got.output, ref.output, [o.output for o in perturbed], tol),
+              tensor_error("input_grad", "input", got.input_grad, ref.input_grad,
+                           [o.input_grad for o in perturbed], tol)]
+    for n in sorted(set(ref.param_grads) | set(got.param_grads)):
+        reference = ref.param_grads.get(n)
+        if reference is None:  # one process leaves this gradient unset: the distributed one must be zero
+            reference = torch.zeros_like(got.param_grads[n])
+        errors.append(tensor_error("param_grads", n, got.param_grads.get(n), reference,
+                                   [o.param_grads.get(n, torch.zeros_like(reference)) for o in perturbed], tol))
+    for step, want in enumerate(ref.losses):
+        loss = got.losses[step] if step < len(got.losses) else float("nan")
+        errors.append(tensor_error("loss", f"step {step}", torch.as_tensor(loss, dtype=want.dtype), want,
+                                   [o.losses[step] for o in perturbed], tol))
+    for k, v in ref.state.items():
+        errors.append(tensor_error("weights", k, got.state.get(k), v, [o.state[k] for o in perturbed], tol))
+    return errors
+
+
+def summarize(errors: Sequence[TensorError], tol: float) -> dict:
+    """The worst ``rel`` of each category, the tensor behind it, every tensor, and whether all are <= ``tol``."""
+    result: dict = {"worst": {}}
+    for key in ERROR_KEYS:
+        worst = max((e for e in errors if e.category == key), key=lambda e: e.rel, default=None)
+        result[key] = worst.rel if worst else 0.0
+        result["worst"][key] = worst.as_dict() if worst else None
+    result["tol"] = tol
+    # nan never compares <= tol, so a nan anywhere reads as not exact.
+    result["exact"] = all(result[k] <= tol for k in ERROR_KEYS)
+    result["tensors"] = [e.as_dict() for e in errors]
+    return result
