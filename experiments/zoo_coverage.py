@@ -47,10 +47,11 @@ from bigconv.verify import ERROR_KEYS, NOISE_FACTOR, compare_training  # noqa: E
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-9
-# Records made since compare_training judges each tensor against its own size carry this tag; older
-# ones (one model-wide denominator for gradients, a floor of 1e-3 of the state's largest entry for
-# weights) carry none and are shown as such.
-METRIC = "per-tensor"
+# Which verdict a record holds. No tag: the old check (one model-wide denominator for gradients, a floor
+# of 1e-3 of the state's largest entry for weights). "per-tensor": each tensor against its own size,
+# floored by 10x a one-ulp input perturbation's effect (commit d352bee, a few records). "per-tensor/2":
+# floored by 100x the effect of one-ulp perturbations of the input and every weight (bigconv.verify now).
+METRIC = "per-tensor/2"
 # Where bigconv raises a refusal: parallelize() (module checks) and the dry run of ParallelModel.plan.
 _REFUSAL_FRAMES = {"parallelize", "__init__", "plan", "_make_plan", "check_modules"}
 
@@ -118,7 +119,10 @@ def run_entry(entry, world) -> dict:
         record["errors"] = _finite({k: r[k] for k in (*ERROR_KEYS, "replicas_equal", "keys_match", "tol")})
         record["worst"] = _finite(r["worst"])
         # Tensors judged against rounding's effect on them rather than their size (near zero or ill-conditioned).
-        record["noise_floored"] = sum(t["noise"] * NOISE_FACTOR / r["tol"] > t["scale"] for t in r["tensors"])
+        floored = [t for t in r["tensors"] if t["noise"] * NOISE_FACTOR / r["tol"] > t["scale"]]
+        record["noise_floored"] = len(floored)
+        # How close the floored tensors came to their bound (NOISE_FACTOR): the margin the factor leaves.
+        record["floored_error_over_noise"] = max((t["error"] / t["noise"] for t in floored), default=0.0)
         record["tensors"] = len(r["tensors"])
         record["status"] = status_of(r)
         record["error_type"] = record["error"] = record["where"] = None
