@@ -76,9 +76,9 @@ class TensorError:
                 "scale": self.scale, "noise": self.noise}
 
 
-def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor,
-                 perturbed: Sequence[torch.Tensor], tol: float) -> TensorError:
-    """Judge ``got`` against ``ref``; ``perturbed`` are the reference's values after one-ulp perturbations."""
+def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float,
+                 tol: float) -> TensorError:
+    """Judge ``got`` against ``ref``; ``noise`` is what one-ulp perturbations move ``ref`` in one process."""
     if got is None:  # the distributed run produced nothing where one process has a tensor (a lost gradient)
         got = torch.zeros_like(ref)
     if tuple(got.shape) != tuple(ref.shape):
@@ -88,7 +88,6 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
         return TensorError(category, name, 0.0 if same else float("inf"), 0.0 if same else abs_err(got, ref),
                            _scale(ref), 0.0)
     error, scale = abs_err(got, ref), _scale(ref)
-    noise = max((abs_err(p, ref) for p in perturbed), default=0.0)
     denominator = max(scale, NOISE_FACTOR * noise / tol)
     if math.isnan(error):  # nan compares false with everything: it must read as the worst, not be skipped
         rel = float("inf")
@@ -108,6 +107,38 @@ class Run:
     param_grads: dict
     losses: list
     state: dict
+
+
+def named_tensors(run: Run) -> dict[tuple[str, str], torch.Tensor]:
+    """Every tensor of a run by (category, name), the keys ``judge`` and ``Noise`` share."""
+    named = {("forward", "output"): run.output, ("input_grad", "input"): run.input_grad}
+    named.update({("param_grads", n): g for n, g in run.param_grads.items()})
+    # A distributed run's losses are Python floats: keep all their digits (as_tensor would make float32).
+    named.update({("loss", f"step {i}"): v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+                  for i, v in enumerate(run.losses)})
+    named.update({("weights", k): v for k, v in run.state.items()})
+    return named
+
+
+Noise = dict  # (category, name) -> the largest max-norm move of that tensor under one-ulp perturbations
+
+
+def measure_noise(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ref: Run, steps: int = 2,
+                  optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None,
+                  runs: int = PERTURBED_RUNS) -> Noise:
+    """How far rounding alone moves each tensor of ``ref`` (the run of ``model`` on ``x``): the largest
+    difference over ``runs`` runs of ``perturbed_copy``. One perturbed model lives at a time, so a large
+    model costs two copies, not ``runs + 1``."""
+    reference = named_tensors(ref)
+    noise: Noise = {key: 0.0 for key in reference}
+    for seed in range(1, runs + 1):
+        other = named_tensors(train_single(*perturbed_copy(model, x, seed), y, loss_fn, steps, optimizer, opt_kwargs))
+        for key, want in reference.items():
+            if want.is_floating_point() and key in other:
+                noise[key] = max(noise[key], abs_err(other[key], want))
+            elif key[0] == "param_grads" and key not in other:  # unset there: its noise is the value itself
+                noise[key] = max(noise[key], _scale(want))
+    return noise
 
 
 def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, steps: int = 2,
@@ -180,8 +211,9 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     yt = read_targets(y, loss_fn) if is_source_batch(y) else y  # gradients() takes targets as a tensor
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), xt.dtype)
     tol = DEFAULT_TOL.get(dtype, 1e-2) if tol is None else tol
-    reference = copy.deepcopy(model)
-    perturbed_inputs = [perturbed_copy(model, xt, seed) for seed in range(1, PERTURBED_RUNS + 1)]
+    # The single-process runs first, on copies: parallelize leaves ``model`` to the workers.
+    ref = train_single(copy.deepcopy(model), xt, yt, loss_fn, steps, optimizer, opt_kwargs)
+    noise = measure_noise(model, xt, yt, loss_fn, ref, steps, optimizer, opt_kwargs)
     net = parallelize(model, world, grid=grid, replicas=replicas)
     out = net(x)
     _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
@@ -189,10 +221,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     losses = [net.train_step(x, y, loss_fn) for _ in range(steps)]
     replica_states = net.replica_state_dicts()
     got = Run(out, input_grad, param_grads, losses, replica_states[0])
-
-    ref = train_single(reference, xt, yt, loss_fn, steps, optimizer, opt_kwargs)
-    perturbed = [train_single(m, xp, yt, loss_fn, steps, optimizer, opt_kwargs) for m, xp in perturbed_inputs]
-    result = summarize(judge(got, ref, perturbed, tol), tol)
+    result = summarize(judge(got, ref, noise, tol), tol)
     result["replicas_equal"] = all(torch.equal(r[k], replica_states[0][k]) for r in replica_states
                                    for k in ref.state)
     result["keys_match"] = set(replica_states[0]) == set(ref.state)
@@ -201,23 +230,19 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     return result
 
 
-def judge(got: Run, ref: Run, perturbed: Sequence[Run], tol: float) -> list[TensorError]:
-    """Every tensor of ``got`` against ``ref``, each floored by what separates ``perturbed`` from ``ref``."""
-    errors = [tensor_error("forward", "output", got.output, ref.output, [o.output for o in perturbed], tol),
-              tensor_error("input_grad", "input", got.input_grad, ref.input_grad,
-                           [o.input_grad for o in perturbed], tol)]
-    for n in sorted(set(ref.param_grads) | set(got.param_grads)):
-        reference = ref.param_grads.get(n)
-        if reference is None:  # one process leaves this gradient unset: the distributed one must be zero
-            reference = torch.zeros_like(got.param_grads[n])
-        errors.append(tensor_error("param_grads", n, got.param_grads.get(n), reference,
-                                   [o.param_grads.get(n, torch.zeros_like(reference)) for o in perturbed], tol))
-    for step, want in enumerate(ref.losses):
-        loss = got.losses[step] if step < len(got.losses) else float("nan")
-        errors.append(tensor_error("loss", f"step {step}", torch.as_tensor(loss, dtype=want.dtype), want,
-                                   [o.losses[step] for o in perturbed], tol))
-    for k, v in ref.state.items():
-        errors.append(tensor_error("weights", k, got.state.get(k), v, [o.state[k] for o in perturbed], tol))
+def judge(got: Run, ref: Run, noise: Noise, tol: float) -> list[TensorError]:
+    """Every tensor of ``got`` against ``ref``, each floored by its ``noise`` (see ``measure_noise``)."""
+    mine, reference = named_tensors(got), named_tensors(ref)
+    keys = list(reference) + [k for k in mine if k not in reference]
+    errors = []
+    for key in keys:
+        want = reference.get(key)
+        if want is None:  # one process leaves this gradient unset: the distributed one must be zero
+            want = torch.zeros_like(mine[key])
+        got_t = mine.get(key)
+        if key[0] == "loss" and got_t is None:
+            got_t = torch.tensor(float("nan"))
+        errors.append(tensor_error(*key, got_t, want, noise.get(key, 0.0), tol))
     return errors
 
 

@@ -1,26 +1,31 @@
 """Run the model zoo (tests/zoo.py) through bigconv against a single process; one JSON line per model.
 
     python -m experiments.zoo_coverage [--only SUBSTR] [--fast] [--resume] [--out results/zoo.jsonl]
-    python -m experiments.zoo_coverage --table results/zoo.jsonl
+    python -m experiments.zoo_coverage --table results/zoo.jsonl [--doc docs/zoo.md]
 
 Each entry is built (seeded, float64) and compared by ``bigconv.verify.compare_training`` on a World
 of its worker count and grid (one World per worker count, reused; a broken one is replaced). The
 status of a model is
 
-- ``exact``: every error (forward, input_grad, param_grads, loss, weights) <= 1e-9, all replicas
-  equal and the state dict keys those of the plain model;
+- ``exact``: ``compare_training`` finds every tensor (the output, the input gradient, each
+  parameter's gradient, each step's loss, each weight and buffer after the steps) within 1e-9 of its
+  own size or within its single-process noise floor (see ``bigconv.verify``), integer buffers equal,
+  all replicas equal and the state dict keys those of the plain model;
 - ``mismatch``: the run completed but some error is larger, or the replicas/keys differ;
 - ``refused``: a ``ValueError`` raised by ``parallelize()`` or the dry run (``plan``), i.e. before
   any forward/backward work on the workers;
 - ``failed``: anything else (a ``bigconv.WorkerFailure``, or an error after remote work began).
 
-For a mismatch the record also holds ``noise_floor``: the same errors between two single-process
-runs whose inputs differ by ~1e-15 relative, i.e. how far rounding alone moves this model and setup
-(a mismatch within a few times its noise floor is ill-conditioning, not a decomposition error).
+A record names the worst tensor of each kind (``worst``: its error, own size and noise), how many
+tensors were judged against their noise floor rather than their size (``noise_floored``) and how
+close those came to the bound (``floored_error_over_noise``, at most ``NOISE_FACTOR``), the check
+that judged it (``metric``) and the commit.
 
-``--table`` prints a Markdown table from the last record of each model, and "N of M exact".
+``--table`` prints a Markdown table: each model's verdict under the current check and every other
+record it has, mismatches and failures named and dated (records are only ever appended).
 While a model runs, ``<out>.current`` names it: if the driver itself is killed (out of memory), the
-next run records that model as ``failed`` first. ``--resume`` skips models already recorded.
+next run records that model as ``failed`` first. ``--resume`` skips models already recorded under
+the current check.
 """
 
 from __future__ import annotations
@@ -161,8 +166,9 @@ def run(args) -> int:
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         current.unlink()
-    if args.resume and out.exists():
-        done = {json.loads(line)["name"] for line in out.read_text().splitlines() if line.strip()}
+    if args.resume and out.exists():  # models already recorded under the current check
+        done = {r["name"] for r in map(json.loads, filter(str.strip, out.read_text().splitlines()))
+                if r.get("metric") == METRIC}
         entries = [e for e in entries if e.name not in done]
     if not entries:
         print("no zoo entry left to run", file=sys.stderr)
@@ -196,56 +202,97 @@ def run(args) -> int:
     return 0
 
 
+METRIC_NAMES = {None: "old check", "per-tensor": "per-tensor, input noise", METRIC: "per-tensor"}
+
+
 def _note(rec: dict) -> str:
-    if rec["status"] == "exact":
-        worst = max(rec["errors"][k] for k in ERROR_KEYS)
-        return f"max rel. error {worst:.1e}"
-    if rec["status"] == "mismatch":
+    if rec["status"] in ("exact", "mismatch") and rec.get("metric") and rec.get("worst"):
+        # Each category's worst tensor against its own size (or its noise floor), named.
+        tol = rec["errors"].get("tol", TOL)
+        shown = [k for k in ERROR_KEYS if rec["worst"].get(k) and not _within(rec["errors"][k], tol)]
+        if rec["status"] == "exact" or not shown:
+            shown = [max((k for k in ERROR_KEYS if rec["worst"].get(k)), key=lambda k: _value(rec["errors"][k]))]
+        parts = [f"{k} {_value(rec['errors'][k]):.1e} ({rec['worst'][k]['tensor']})" for k in shown]
+        parts += [k.replace("_", " ") + " false" for k in ("replicas_equal", "keys_match") if not rec["errors"].get(k)]
+        return "; ".join(parts)
+    if rec["status"] in ("exact", "mismatch"):
         e = rec["errors"]
-        bad = [f"{k} {e[k]:.1e}" if isinstance(e[k], float) else f"{k} {e[k]}" for k in ERROR_KEYS
-               if not (isinstance(e[k], float) and e[k] <= TOL)]
-        bad += [k for k in ("replicas_equal", "keys_match") if not e.get(k)]
-        floor = rec.get("noise_floor")
-        if isinstance(floor, dict):
-            worst = max(floor[k] for k in ERROR_KEYS)
-            bad.append(f"single-process noise floor {worst:.1e}")
-        return "; ".join(bad)
+        if rec["status"] == "exact":
+            return f"max rel. error {max(e[k] for k in ERROR_KEYS):.1e}"
+        bad = [f"{k} {_value(e[k]):.1e}" for k in ERROR_KEYS if not _within(e[k], TOL)]
+        return "; ".join(bad + [k for k in ("replicas_equal", "keys_match") if not e.get(k)])
     first = (rec.get("error") or "").strip().splitlines()
     text = f"{rec.get('error_type')}: {first[0] if first else ''}"
     return text[:200].replace("|", "\\|")
 
 
+def _value(v) -> float:
+    return float(v)  # records write inf and nan as strings
+
+
+def _within(v, tol: float) -> bool:
+    return _value(v) <= tol
+
+
+def _history(recs: list[dict], current: dict) -> str:
+    """Every other record of a model: counts per (check, status), and each one that was not exact, dated."""
+    counts: dict[tuple, int] = {}
+    bad = []
+    for r in recs:
+        if r is current:
+            continue
+        key = (METRIC_NAMES.get(r.get("metric"), r.get("metric")), r["status"])
+        counts[key] = counts.get(key, 0) + 1
+        if r["status"] not in ("exact", "refused") or r.get("as_expected") is False:
+            bad.append(f"{r['status']} {(r.get('time') or '')[:10]} ({key[0]}): {_note(r)}")
+    text = ", ".join(f"{m}: {s} x{n}" for (m, s), n in counts.items())
+    return "; ".join(([text] if text else []) + bad).replace("|", "\\|")[:400]
+
+
 def table(path: str) -> str:
-    records: dict[str, dict] = {}
+    """Markdown: each model's verdict under the current check (its last record of METRIC, else its last
+    record) and, beside it, every other record it has, with each mismatch or failure named and dated."""
+    records: dict[str, list[dict]] = {}
     for line in Path(path).read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
-            records[rec["name"]] = rec  # the last record per model wins
+            records.setdefault(rec["name"], []).append(rec)
     try:
         order = {e.name: i for i, e in enumerate(load_zoo().ZOO)}
     except Exception:  # the table needs no model libraries
         order = {}
     names = sorted(records, key=lambda n: (order.get(n, len(order)), n))
-    lines = ["| model | library | status | note |", "|---|---|---|---|"]
+    lines = ["| model | library | check | status | worst tensor (error against its own size) | other records |",
+             "|---|---|---|---|---|---|"]
+    current = {}
     for n in names:
-        rec = records[n]
+        recs = records[n]
+        rec = current[n] = next((r for r in reversed(recs) if r.get("metric") == METRIC), recs[-1])
         status = rec["status"] + ("" if rec.get("as_expected", True) or rec["status"] == "exact" else
                                    f" (expected {rec.get('expect')})")
-        lines.append(f"| {n} | {rec['library']} | {status} | {_note(rec)} |")
-    exact = sum(r["status"] == "exact" for r in records.values())
-    refused_ok = sum(r["status"] == "refused" and r.get("expect") == "refused" for r in records.values())
-    lines += ["", f"{exact} of {len(records)} exact" + (f"; {refused_ok} refused as expected" if refused_ok else "")]
+        check = METRIC_NAMES.get(rec.get("metric"), rec.get("metric"))
+        lines.append(f"| {n} | {rec['library']} | {check} | {status} | {_note(rec)} | {_history(recs, rec)} |")
+    latest = [r for r in current.values() if r.get("metric") == METRIC]
+    exact = sum(r["status"] == "exact" for r in latest)
+    refused_ok = sum(r["status"] == "refused" and r.get("expect") == "refused" for r in latest)
+    earlier_bad = sum(r is not current[n] and (r["status"] not in ("exact", "refused") or r.get("as_expected") is False)
+                      for n in names for r in records[n])
+    lines += ["", f"Under the current check: {exact} of {len(latest)} models recorded exact"
+              + (f", {refused_ok} refused as expected" if refused_ok else "")
+              + f"; {len(names) - len(latest)} models not yet recorded under it. "
+              f"{sum(len(v) for v in records.values())} records in all; {earlier_bad} earlier records were not "
+              "exact or not as expected (listed per model)."]
     return "\n".join(lines)
 
 
-README_START, README_END = "<!-- zoo-table -->", "<!-- /zoo-table -->"
+DOC_START, DOC_END = "<!-- zoo-table -->", "<!-- /zoo-table -->"
 
 
-def write_readme(readme: str, text: str) -> None:
-    """Replace the block between the zoo-table markers of ``readme`` with ``text``."""
-    path = Path(readme)
+def write_doc(doc: str, text: str) -> None:
+    """Replace the block between the zoo-table markers of ``doc`` with ``text``."""
+    path = Path(doc)
     content = path.read_text()
-    start, end = content.index(README_START) + len(README_START), content.index(README_END)
+    start, end = content.index(DOC_START) + len(DOC_START), content.index(DOC_END)
     path.write_text(content[:start] + "\n" + text + "\n" + content[end:])
 
 
@@ -253,16 +300,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="run only entries whose name contains one of these comma-separated substrings")
     parser.add_argument("--fast", action="store_true", help="run only the fast subset")
-    parser.add_argument("--resume", action="store_true", help="skip models already recorded in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip models already recorded in --out under the current check")
     parser.add_argument("--out", default="results/zoo.jsonl", help="JSON lines file to append to")
     parser.add_argument("--timeout", type=float, default=120.0, help="World timeout per wait (seconds)")
     parser.add_argument("--table", metavar="JSONL", help="print a Markdown table of JSONL and exit")
-    parser.add_argument("--readme", metavar="MD", help="with --table: write it between the zoo-table markers of MD")
+    parser.add_argument("--doc", metavar="MD", help="with --table: write it between the zoo-table markers of MD "
+                        "(docs/zoo.md)")
     args = parser.parse_args(argv)
     if args.table:
         text = table(args.table)
-        if args.readme:
-            write_readme(args.readme, text)
+        if args.doc:
+            write_doc(args.doc, text)
         print(text)
         return 0
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
