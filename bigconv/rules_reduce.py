@@ -107,7 +107,7 @@ def _extreme(mode: ShardMode, func, args, kwargs):
 def _over_dim(mode: ShardMode, func, args, kwargs):
     """softmax, log_softmax, cumsum, argmax, std, var, logsumexp, prod, norm, any, all over batch or channels."""
     x = args[0]
-    name = func.__name__
+    name = func.__name__.removeprefix("linalg_")  # torch.linalg.vector_norm's C name is linalg_vector_norm
     keeps = name in ("softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp")
     names = {"norm": ("input", "p", "dim", "keepdim"), "vector_norm": ("input", "ord", "dim", "keepdim")}
     b = bind(names.get(name, ("input", "dim")), args, kwargs)

@@ -159,7 +159,24 @@ class GlobalMax(nn.Module):
         return y / (1 + y.amax(dim=tuple(range(1, self.d + 2)), keepdim=True)) + flat * y + y.max() * 0.1
 
 
-PATTERNS = {"sizes": SizeQueries, "convnext": ConvNeXtBlock, "joins": Joins, "context": GlobalContext,
+class SpatialNorm(nn.Module):
+    """L2 norms over all spatial dims (``Tensor.norm``, ``torch.norm``, ``linalg.vector_norm``) as normalizers."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.conv = Conv[d](1, 3, 3, padding=1)
+        self.dims = tuple(range(2, d + 2))
+
+    def forward(self, x):
+        y = torch.tanh(self.conv(x))
+        a = y / (1 + y.norm(p=2, dim=self.dims, keepdim=True))
+        # PyTorch's default p="fro" takes at most two dims (it raises on three, in one process too).
+        b = torch.norm(y, dim=self.dims, keepdim=True) if len(self.dims) <= 2 else torch.norm(y, 2, self.dims, True)
+        c = torch.linalg.vector_norm(y, dim=self.dims, keepdim=True)
+        return a + b * c * y
+
+
+PATTERNS = {"sizes": SizeQueries, "norm": SpatialNorm, "convnext": ConvNeXtBlock, "joins": Joins, "context": GlobalContext,
             "shuffle": ShuffleAndConstants, "globalmax": GlobalMax}
 SHAPES = {1: ((2, 1, 37), (3,)), 2: ((2, 1, 19, 22), (2, 2)), 3: ((2, 1, 13, 12, 14), (2, 1, 2))}
 CASES = [(name, d) for name in PATTERNS for d in (1, 2, 3)]
@@ -215,11 +232,37 @@ class ReadsValue(nn.Module):
         return y * 2 if y[0, 0].sum().item() > 0 else y
 
 
+class NoiseOfImageSize(nn.Module):
+    """Noise drawn at the image's size: each shard would draw its own values, unlike one process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y + 0.1 * torch.randn(y.shape, dtype=y.dtype, device=y.device)
+
+
+class ArgmaxOverPositions(nn.Module):
+    """The index of the strongest value of the whole map: a shard knows only its own positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * (y.argmax() % 7).to(y.dtype)
+
+
 @pytest.mark.world(4)
 @pytest.mark.parametrize("model,words", [
     (AttentionOverPositions, ["view_as", "'<root>'"]),
     (LinearOverWidth, ["linear", "'fc' (Linear)"]),
     (ReadsValue, ["item", "'<root>'"]),
+    (NoiseOfImageSize, ["randn", "'<root>'"]),
+    (ArgmaxOverPositions, ["argmax", "'<root>'"]),
 ])
 def test_non_decomposable_refused_before_remote_work(world, model, words, monkeypatch):
     net = bigconv.parallelize(model().double(), world, grid=(2, 2))
