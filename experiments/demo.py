@@ -25,7 +25,9 @@ def main(argv=None) -> None:
     with bigconv.World(workers=4) as world:
         r = train_distributed(w, world, grid=(2, 2))
     plain = plain_in_fresh_process(w, threads=1)
-    print(f"final loss: distributed {r['loss']:.6f}, single process {plain['loss']:.6f}")
+    diff = abs(r["loss"] - plain["loss"]) / max(abs(plain["loss"]), 1e-30)
+    print(f"final loss: distributed {r['loss']:.8g}, single process {plain['loss']:.8g} "
+          f"(relative difference {diff:.1e})")
     for i, m in enumerate(r["per_worker"]):
         print(f"  worker{i}: peak {m['peak_rss_bytes'] / MiB:7.1f} MiB ({', '.join(m['sources'])}), "
               f"halo traffic {m['bytes'] / MiB:.1f} MiB in {m['messages']} messages")

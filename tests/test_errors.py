@@ -136,16 +136,18 @@ def test_bad_batches_are_refused_before_remote_work(world, rpc_calls, model, x, 
 
 
 @pytest.mark.world(4)
-def test_non_finite_input_is_refused_when_asked(world, rpc_calls):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused_when_asked(world, rpc_calls, bad):
     x = torch.randn(1, 1, 8, 8)
-    x[0, 0, 3, 4] = float("nan")
+    x[0, 0, 3, 4] = bad
+    x[0, 0, 6, 1] = bad  # on another shard of the (2, 2) grid: the count is of the whole image
     net = bigconv.parallelize(CNN2D(), world, grid=(2, 2), check_finite=True)
     rpc_calls.clear()
-    with pytest.raises(ValueError, match="x holds 1 NaN or infinite values"):
+    with pytest.raises(ValueError, match="x holds 2 NaN or infinite values"):
         net(x)
     assert rpc_calls == []
-    unchecked = bigconv.parallelize(CNN2D(), world, grid=(2, 2))  # off by default: the NaN flows through
-    assert torch.isnan(unchecked(x)).all()
+    unchecked = bigconv.parallelize(CNN2D(), world, grid=(2, 2))  # off by default: the value flows through
+    assert not torch.isfinite(unchecked(x)).all()
 
 
 @pytest.mark.own_world
