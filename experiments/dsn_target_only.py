@@ -1,4 +1,5 @@
-"""The target-only bound of the DSN benchmark: the same classifier trained on a target's own labels.
+"""The target-only bound of the demo recipe's DSN benchmark: the same classifier trained on a target's own labels.
+(The paper recipe has its own target_only row: ``python -m multidsn.train --methods target_only``.)
 
 Domain-adaptation papers (DSN's Table 1 among them) report it next to source-only: how much of the gap a
 perfect adaptation could close. Here it tells a target that cannot be read (a low bound) from one that
@@ -30,7 +31,7 @@ from multidsn.trainer import LocalDSN
 
 
 def target_only(shift: str, seed: int, steps: int) -> float:
-    args = train_args(["--targets", "1", "--shifts", shift, "--seed", str(seed), "--steps", str(steps)])
+    args = train_args(["--recipe", "demo", "--targets", "1", "--shifts", shift, "--seed", str(seed), "--steps", str(steps)])
     _, (target,) = procedural_domains(1, args.image_size, seed=seed, shifts=[shift])
     target = standardized(target)
     cfg = task_only(model_config(args), steps)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 SIMILARITIES = ("dann", "mmd")
 GRL_SCHEDULES = ("constant", "dann")
+ARCHITECTURES = ("small", "dann_mnist")
+MMD_BANDWIDTHS = ("fixed", "median")
 
 # The bandwidths of the TF original's MMD kernel (domain_separation/utils.py): a kernel per scale s,
 # exp(-|x - y|^2 / (2 s)), so that the loss sees structure at every distance scale of the codes.
@@ -85,7 +87,22 @@ class DSNConfig:
     grl_ramp_steps: int = 1
     """Steps of the 'dann' ramp after the warm-up (the training steps left after it, for the paper's p)."""
     mmd_scales: tuple[float, ...] = field(default=TF_MMD_SCALES)
-    """Kernel scales s of the MMD loss, kernel exp(-|x - y|^2 / (2 s)) summed over s."""
+    """Kernel scales s of the MMD loss, kernel exp(-|x - y|^2 / (2 s)) summed over s; with
+    ``mmd_bandwidth='median'`` they are multiples of the batch's median squared code distance."""
+    mmd_bandwidth: str = "fixed"
+    """'fixed': ``mmd_scales`` as given. 'median': each scale multiplied by the median squared distance
+    between all the shared codes of the step (every domain, detached), so that the kernels sit at the codes'
+    own distance scale whatever their norm (the median heuristic of Gretton et al. 2012)."""
+    architecture: str = "small"
+    """'small': 3x3 conv blocks, adaptive pooling to ``code_grid``, a linear code (the demo recipe).
+    'dann_mnist': the TF original's MNIST networks (research/domain_separation/models.py): 5x5 conv blocks
+    (``shared_widths``, e.g. (32, 48)) and a ReLU fc code for the shared encoder; 5x5 conv blocks
+    (``private_widths``, e.g. (32, 64)) and a ReLU fc code for the private encoders; the small decoder
+    (fc to a 6 x 10 x 10 map, one 5x5 conv per ``decoder_widths`` entry, see ``model.SmallDecoder``)."""
+    private_batch_norm: bool = False
+    """Batch norm after every conv and the code layer of the private encoders (the TF original's). A private
+    encoder runs once per step on one domain's batch, in one process and across workers alike, so its batch
+    statistics and running averages are the same on both paths."""
 
     def __post_init__(self) -> None:
         for name in ("image_size", "channels", "num_targets", "code_size", "code_grid", "classifier_hidden"):
@@ -103,6 +120,10 @@ class DSNConfig:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if self.mmd_bandwidth not in MMD_BANDWIDTHS:
+            raise ValueError(f"mmd_bandwidth must be one of {MMD_BANDWIDTHS}, got {self.mmd_bandwidth!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
         if self.grl_schedule not in GRL_SCHEDULES:
             raise ValueError(f"grl_schedule must be one of {GRL_SCHEDULES}, got {self.grl_schedule!r}")
         _positive_int(self.grl_ramp_steps, "grl_ramp_steps")
@@ -122,6 +143,12 @@ class DSNConfig:
     def num_domains(self) -> int:
         """Source plus targets."""
         return self.num_targets + 1
+
+    @property
+    def separating(self) -> bool:
+        """Whether the private encoders and the decoder take part (alpha or beta above 0). With alpha = beta = 0
+        the model is DANN or MMD alone: neither is run, in one process or across workers."""
+        return self.alpha > 0 or self.beta > 0
 
     def adapting(self, step: int) -> bool:
         """Whether the reconstruction, difference and similarity losses are on at ``step`` (counted from 0)."""

@@ -33,6 +33,9 @@ class Domain:
     """Labels of the training split, or None for an unlabelled domain."""
     test_x: torch.Tensor
     test_y: torch.Tensor | None
+    test_light: torch.Tensor | None = None
+    """Per test image, whether its strokes are brighter than its background (bool), where the generator
+    knows it (``multidsn.mnist``'s MNIST-M-style target); accuracy is then also reported per polarity."""
 
 
 def digits(image_size: int, seed: int, test_fraction: float) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:

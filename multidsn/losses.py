@@ -75,9 +75,16 @@ def dann_loss(domain_classifier: torch.nn.Module, codes: Sequence[torch.Tensor],
     the reversed gradient teaches the encoder to make that impossible. Cross-entropy over the K + 1
     domains, averaged over all images; ``codes[d]`` holds domain d's batch of shared codes.
     """
+    return dann_terms(domain_classifier, codes, grl_scale)[0]
+
+
+def dann_terms(domain_classifier: torch.nn.Module, codes: Sequence[torch.Tensor],
+               grl_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``dann_loss``, the domain classifier's accuracy on these codes, detached) from one forward."""
     logits = domain_classifier(reverse_gradient(torch.cat(list(codes)), grl_scale))
     labels = torch.cat([torch.full((len(c),), d, dtype=torch.long, device=c.device) for d, c in enumerate(codes)])
-    return F.cross_entropy(logits, labels)
+    accuracy = (logits.detach().argmax(1) == labels).double().mean()
+    return F.cross_entropy(logits, labels), accuracy
 
 
 def rbf_kernel_sum(x_NK: torch.Tensor, y_MK: torch.Tensor, scales: Sequence[float]) -> torch.Tensor:
@@ -95,8 +102,20 @@ def mmd(x_NK: torch.Tensor, y_MK: torch.Tensor, scales: Sequence[float]) -> torc
     return cost.clamp(min=0.0)
 
 
-def mmd_loss(codes: Sequence[torch.Tensor], scales: Sequence[float]) -> torch.Tensor:
+def median_sq_distance(codes: Sequence[torch.Tensor]) -> float:
+    """The median squared distance between all pairs of distinct codes of every domain (detached): the
+    codes' own distance scale, for the 'median' MMD bandwidth."""
+    x = torch.cat([c.detach() for c in codes])
+    dist = (x[:, None, :] - x[None, :, :]).pow(2).sum(-1)
+    off = dist[~torch.eye(len(x), dtype=torch.bool, device=x.device)]
+    return max(float(off.median()), 1e-12)
+
+
+def mmd_loss(codes: Sequence[torch.Tensor], scales: Sequence[float], median: bool = False) -> torch.Tensor:
     """MMD between the source's shared codes (``codes[0]``) and each target's, averaged over the targets,
-    so that gamma keeps its meaning as K grows."""
+    so that gamma keeps its meaning as K grows. ``median``: every scale times ``median_sq_distance(codes)``."""
+    if median:
+        m = median_sq_distance(codes)
+        scales = [s * m for s in scales]
     source = codes[0]
     return torch.stack([mmd(source, t, scales) for t in codes[1:]]).mean()

@@ -101,7 +101,9 @@ class DistributedDSN:
         step, call = self.steps, next(self._calls)
         what = f"step {step}"
         with self.world.autograd_context() as ctx:
-            if self.cfg.adapting(step):
+            if self.cfg.adapting(step) and not self.cfg.separating:
+                terms, took_part = self._similarity_forward(call, step, images, labels, what)
+            elif self.cfg.adapting(step):
                 terms, took_part = self._adapting_forward(call, step, images, labels, what)
             else:
                 terms, took_part = self._warmup_forward(call, step, images[0], labels, what)
@@ -109,7 +111,7 @@ class DistributedDSN:
             futures = [launch(self.world, w, remote.step, self.id, ctx, w in took_part) for w in self.workers]
             wait_named(self.world, futures, f"optimizer {what}")
         self.steps += 1
-        return LossTerms(terms.total.detach(), terms.task, terms.recon, terms.difference, terms.similarity)
+        return terms.detached()
 
     def _warmup_forward(self, call: int, step: int, x_s: torch.Tensor, labels: torch.Tensor, what: str):
         p = self.plan
@@ -118,6 +120,22 @@ class DistributedDSN:
         (head, _), = wait_named(self.world, [launch(self.world, p.head_worker, remote.head, self.id, step, [h_c],
                                                      labels, None)], f"head of {what}")
         return combine(self.cfg, head, [], []), {p.shared_worker(0), p.head_worker}
+
+    def _similarity_forward(self, call: int, step: int, images: list[torch.Tensor], labels: torch.Tensor, what: str):
+        """alpha = beta = 0 (DANN or MMD alone): every domain's shared code, then the head; the private encoders
+        and decoders sit out (their parameters get no gradient, as in one process)."""
+        p, world = self.plan, self.world
+        shared = wait_named(world, [launch(world, p.shared_worker(d), remote.encode, self.id, call, d, "shared",
+                                           images[d], False) for d in range(self.cfg.num_domains)],
+                            f"shared encoders of {what}")
+        (head, _), = wait_named(world, [launch(world, p.head_worker, remote.head, self.id, step, shared, labels,
+                                                None)], f"head of {what}")
+        took_part = {p.shared_worker(d) for d in range(self.cfg.num_domains)} | {p.head_worker}
+        return combine(self.cfg, head, [], []), took_part
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every worker's optimizer (a schedule's step)."""
+        self._all(remote.set_lr, lambda w: (self.id, lr), "setting the learning rate")
 
     def _adapting_forward(self, call: int, step: int, images: list[torch.Tensor], labels: torch.Tensor, what: str):
         p, world, D = self.plan, self.world, self.cfg.num_domains

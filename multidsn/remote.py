@@ -202,6 +202,11 @@ def make_optimizer(model_id: int, cls, kwargs: dict) -> None:
     p.optimizer = cls(p.parameters(), **kwargs)
 
 
+def set_lr(model_id: int, lr: float) -> None:
+    for group in part(model_id).optimizer.param_groups:
+        group["lr"] = lr
+
+
 def step(model_id: int, context_id: int, took_part: bool) -> None:
     part(model_id).step(context_id, took_part)
 

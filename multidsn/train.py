@@ -1,11 +1,15 @@
-"""``python -m multidsn.train``: train a DSN and a source-only baseline the same way, on a local World
-(or in this process with ``--placement single``), and report target accuracy per domain.
+"""``python -m multidsn.train``: train Domain Separation Networks and their baselines, and record target accuracy.
 
-The baseline is the same network, optimizer, data and placement with the warm-up never ending: only the
-task loss on the labelled source trains it. ``--seeds 0,1,2`` repeats both for every seed (new weights,
-batches, test split and shift randomness) on one World and reports the mean and spread of the gain.
-Results go to ``results/multidsn_train.jsonl`` (one line per model and seed, one summary line), with the
-step time, the hardware, the torch version and the git commit.
+Two recipes (``--recipe``):
+
+- ``paper`` (the default): Bousmalis et al. (2016)'s MNIST -> MNIST-M configuration (``multidsn.recipes``)
+  on real MNIST digits and an MNIST-M-style target (``multidsn.mnist``). Every row of ``--methods``
+  (source-only, DANN alone, DSN with MMD, DSN with DANN, target-only) is trained for every seed and appended
+  to ``results/multidsn_paper.jsonl``, one line per (method, target, seed); a rerun skips what is recorded
+  (``multidsn.paper``), then prints the table (``multidsn.paper_cli``).
+- ``demo``: the earlier recipe: a DSN and a source-only baseline (the same network with the warm-up never
+  ending) per seed on scikit-learn's digits and procedural targets, with Adam and MMD, on a local World
+  or in this process; lines in ``results/multidsn_train.jsonl`` with a summary of the gain over the seeds.
 """
 
 from __future__ import annotations
@@ -25,75 +29,150 @@ from .config import DSNConfig
 from .data import Domain, Sampler, load_folder_domains, procedural_domains, standardized
 from .evaluation import accuracy, private_code_report
 from .model import DSN
+from .mnist import EXTRA_TARGETS
 from .placement import workers_needed
+from .recipes import METHODS, PaperRecipe
 from .train_report import report, summarize, write
 from .trainer import make_trainer
 
 log = logging.getLogger("multidsn.train")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+RECIPES = ("paper", "demo")
+PAPER = PaperRecipe()
+# Options whose default depends on the recipe: (paper, demo). None: derived (see the help).
+RECIPE_DEFAULTS = {
+    "steps": (PAPER.steps, 3000), "warmup": (PAPER.warmup, None), "batch_size": (PAPER.batch_size, 32),
+    "lr": (PAPER.lr, None), "momentum": (PAPER.momentum, 0.9), "alpha": (PAPER.alpha, 0.1),
+    "beta": (PAPER.beta, 0.05), "gamma": (PAPER.gamma, 1.0), "placement": ("single", "domain"),
+    "out": ("results/multidsn_paper.jsonl", "results/multidsn_train.jsonl"), "log_every": (500, 100),
+}
+
+
+def _both(name: str, demo_note: str = "") -> str:
+    paper, demo = RECIPE_DEFAULTS[name]
+    return f"(default: {paper} with --recipe paper; {demo_note or demo} with --recipe demo)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of both recipes; options whose default depends on the recipe default to None here and
+    get it in ``parse_args``."""
     p = argparse.ArgumentParser(prog="python -m multidsn.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--targets", type=int, default=2,
-                   help="K, the number of target domains (procedural: 1-7, the first K of multidsn.shifts.SHIFTS)")
-    p.add_argument("--placement", choices=["single", "domain", "encoder"], default="domain")
-    p.add_argument("--decoder", choices=["domain", "head"], default="domain")
-    p.add_argument("--head", choices=["separate", "source"], default="separate")
-    p.add_argument("--workers", type=int, default=None, help="World size (default: what the placement needs)")
-    # 3,000: over seeds 0-2 (mnistm + noise, MMD) the gain went from +20.8/-3.9/+7.1 points at 1,000 steps to
-    # +19.8/+6.4/+16.3, the DSN's noise accuracy rising from 69-74% to 74-83% while source-only's stayed put.
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--warmup", type=int, default=None, help="task-only steps first (default: steps // 5)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per domain per step")
-    p.add_argument("--image-size", type=int, default=28)
-    # MMD by default: it has no adversary to diverge. With DANN (gamma 0.25, 1,000 steps, mnistm + noise) the
-    # domain loss climbed to 14 as the encoder overshot, and the DSN's mean target accuracy ranged 45-57% over
-    # seeds; MMD (gamma 1) stayed at 51-56%. On K = 4 (with colour and invert) DANN did better (43% vs 35%).
-    p.add_argument("--similarity", choices=["dann", "mmd"], default="mmd")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam",
-                   help="the paper used SGD with momentum over 10k+ steps; Adam gets there in the few hundred steps "
-                        "a 2-core demo affords")
-    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 for adam, 0.01 for sgd")
-    p.add_argument("--width", type=int, default=16,
-                   help="channels of the first shared block; the other widths follow from it")
-    p.add_argument("--code-size", type=int, default=32)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--alpha", type=float, default=0.1)
-    p.add_argument("--beta", type=float, default=0.05)
-    p.add_argument("--gamma", type=float, default=1.0,
-                   help="similarity weight (paper: 0.25 to 0.3 for DANN; MMD's loss is smaller and takes 1)")
-    p.add_argument("--grl-schedule", choices=["constant", "dann"], default="constant",
-                   help="DANN's reversal factor: constant, or Ganin & Lempitsky's ramp 2 / (1 + exp(-10 p)) - 1 over "
-                        "the steps after the warm-up (in 1,000 steps the ramp gained 14 points where constant gained "
-                        "22)")
-    p.add_argument("--normalize", choices=["image", "none"], default="image",
-                   help="'image': every image of every domain to zero mean and unit variance (both models alike)")
-    p.add_argument("--shifts", type=lambda s: s.split(","), default=None,
-                   help="procedural targets by name, comma-separated (default: the first K of multidsn.shifts.SHIFTS)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--recipe", choices=RECIPES, default="paper",
+                   help="'paper': Bousmalis et al.'s MNIST -> MNIST-M configuration (multidsn.recipes.PaperRecipe: "
+                        "TF dann_mnist networks, SGD with momentum and a decaying learning rate, weight decay, "
+                        "task-only warm-up, 32 px inputs in [-1, 1]) on real MNIST digits, every --methods row for "
+                        "every seed; 'demo': the earlier recipe (small networks, Adam, MMD, scikit-learn digits, "
+                        "procedural targets), a DSN and a source-only baseline per seed (default: paper)")
     p.add_argument("--seeds", type=_seed_list, default=None,
-                   help="several seeds, '0,1,2' or '0-4': both models are trained once per seed and the gain is "
-                        "reported as mean, spread and minimum over them (overrides --seed)")
-    p.add_argument("--data", choices=["procedural", "folders"], default="procedural")
-    p.add_argument("--root", help="with --data folders: one folder per domain")
-    p.add_argument("--source", help="with --data folders: the labelled source folder's name")
-    p.add_argument("--skip-baseline", action="store_true", help="train the DSN only")
+                   help="seeds, '0,1,2' or '0-4': every model is trained once per seed "
+                        "(default: 0-2 with --recipe paper; --seed with --recipe demo)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per model " + _both("steps"))
+    p.add_argument("--warmup", type=int, default=None,
+                   help="task-only steps before the adaptation losses switch on " + _both("warmup", "steps // 5"))
+    p.add_argument("--batch-size", type=int, default=None, help="images per domain per step " + _both("batch_size"))
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate " + _both("lr", "1e-3 for adam, 0.01 for sgd"))
+    p.add_argument("--momentum", type=float, default=None, help="SGD momentum " + _both("momentum"))
+    p.add_argument("--alpha", type=float, default=None, help="reconstruction weight of the DSN " + _both("alpha"))
+    p.add_argument("--beta", type=float, default=None, help="difference weight of the DSN " + _both("beta"))
+    p.add_argument("--gamma", type=float, default=None,
+                   help="similarity weight: DANN's with --recipe paper, the --similarity one with --recipe demo "
+                        + _both("gamma"))
+    p.add_argument("--placement", choices=["single", "domain", "encoder"], default=None,
+                   help="'single': this process; 'domain' / 'encoder': multidsn.parallelize on a local World of "
+                        "worker processes (the same arithmetic) " + _both("placement"))
+    p.add_argument("--decoder", choices=["domain", "head"], default="domain",
+                   help="with a distributed placement: a decoder replica per domain, or one on the head worker "
+                        "(default: domain)")
+    p.add_argument("--head", choices=["separate", "source"], default="separate",
+                   help="with a distributed placement: the classifiers on a worker of their own or on worker 0 "
+                        "(default: separate)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="World size (default: what the placement needs)")
+    p.add_argument("--out", default=None, help="JSON-lines file the results are appended to " + _both("out"))
+    p.add_argument("--log-every", type=int, default=None, help="steps between history entries " + _both("log_every"))
     p.add_argument("--collapse-ratio", type=float, default=0.01,
-                   help="private codes count as collapsed below this fraction of the shared codes' norm")
+                   help="private codes count as collapsed below this fraction of the shared codes' norm "
+                        "(default: 0.01)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads of this process: with --placement single the model's; otherwise the "
                         "driver only adds scalars. OpenMP spinning made a 28 px step 100x slower on a loaded "
-                        "2-core host with the default of one thread per core")
-    p.add_argument("--out", default="results/multidsn_train.jsonl")
-    p.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--checkpoint", default=None,
-                   help="checkpoint file (default: --out with .ckpt.pt); written atomically, removed when the run ends")
-    p.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints (0: none)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run from --checkpoint (same arguments otherwise); seeds already "
-                        "finished are not trained or written again")
+                        "2-core host with the default of one thread per core (default: 1)")
+    paper = p.add_argument_group("paper recipe")
+    paper.add_argument("--methods", type=_method_list, default=list(METHODS),
+                       help=f"rows to train, comma-separated (default: {','.join(METHODS)})")
+    paper.add_argument("--extra-targets", type=_names, default=[],
+                       help="targets trained alongside mnistm (K = 1 + their number), comma-separated from "
+                            f"{','.join(EXTRA_TARGETS)} (default: none)")
+    paper.add_argument("--gamma-mmd", type=float, default=PAPER.gamma_mmd,
+                       help=f"similarity weight of the dsn_mmd row (default: {PAPER.gamma_mmd})")
+    paper.add_argument("--weight-decay", type=float, default=PAPER.weight_decay,
+                       help=f"SGD weight decay (default: {PAPER.weight_decay})")
+    paper.add_argument("--lr-decay", type=float, default=PAPER.lr_decay,
+                       help=f"staircase learning-rate decay factor (default: {PAPER.lr_decay})")
+    paper.add_argument("--lr-decay-steps", type=int, default=PAPER.lr_decay_steps,
+                       help=f"steps between two learning-rate decays (default: {PAPER.lr_decay_steps})")
+    paper.add_argument("--report", action="store_true",
+                       help="train nothing: print the table of what --out holds for this recipe (default: off)")
+    demo = p.add_argument_group("demo recipe")
+    demo.add_argument("--targets", type=int, default=2,
+                      help="K, the number of target domains (procedural: 1-7, the first K of multidsn.shifts.SHIFTS) "
+                           "(default: 2)")
+    demo.add_argument("--image-size", type=int, default=28, help="image side in pixels (default: 28)")
+    demo.add_argument("--similarity", choices=["dann", "mmd"], default="mmd",
+                      help="the DSN's similarity loss (default: mmd)")
+    demo.add_argument("--optimizer", choices=["sgd", "adam"], default="adam",
+                      help="optimizer of both models (default: adam)")
+    demo.add_argument("--width", type=int, default=16,
+                      help="channels of the first shared block; the other widths follow from it (default: 16)")
+    demo.add_argument("--code-size", type=int, default=32, help="length of the shared and private codes (default: 32)")
+    demo.add_argument("--grl-schedule", choices=["constant", "dann"], default="constant",
+                      help="DANN's reversal factor: constant, or Ganin & Lempitsky's ramp 2 / (1 + exp(-10 p)) - 1 "
+                           "over the steps after the warm-up (default: constant)")
+    demo.add_argument("--normalize", choices=["image", "none"], default="image",
+                      help="'image': every image of every domain to zero mean and unit variance (default: image)")
+    demo.add_argument("--shifts", type=lambda s: s.split(","), default=None,
+                      help="procedural targets by name, comma-separated (default: the first K of "
+                           "multidsn.shifts.SHIFTS)")
+    demo.add_argument("--seed", type=int, default=0, help="the seed when --seeds is not given (default: 0)")
+    demo.add_argument("--data", choices=["procedural", "folders"], default="procedural",
+                      help="procedural targets, or real images in folders (default: procedural)")
+    demo.add_argument("--root", default=None, help="with --data folders: one folder per domain (default: none)")
+    demo.add_argument("--source", default=None,
+                      help="with --data folders: the labelled source folder's name (default: none)")
+    demo.add_argument("--skip-baseline", action="store_true", help="train the DSN only (default: off)")
+    demo.add_argument("--checkpoint", default=None,
+                      help="checkpoint file, written atomically, removed when the run ends (default: --out with "
+                           ".ckpt.pt)")
+    demo.add_argument("--checkpoint-every", type=int, default=250,
+                      help="steps between checkpoints, 0: none (default: 250)")
+    demo.add_argument("--resume", action="store_true",
+                      help="continue an interrupted run from --checkpoint (same arguments otherwise); seeds already "
+                           "finished are not trained or written again (default: off)")
     progress.add_arguments(p)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    column = RECIPES.index(args.recipe)
+    for name, values in RECIPE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[column])
+    return args
+
+
+def _method_list(text: str) -> list[str]:
+    names = _names(text)
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--methods takes names from {','.join(METHODS)}, not {text!r}")
+    return names
+
+
+def _names(text: str) -> list[str]:
+    return [n for n in text.split(",") if n]
 
 
 def _seed_list(text: str) -> list[int]:
@@ -193,8 +272,12 @@ def task_only(cfg: DSNConfig, steps: int) -> DSNConfig:
     return DSNConfig(**{**cfg.__dict__, "warmup_steps": steps})
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None):
     args = parse_args(argv)
+    if args.recipe == "paper":
+        from . import paper_cli
+
+        return paper_cli.main(args, sys.argv[1:] if argv is None else argv)
     args.checkpoint = args.checkpoint or os.path.splitext(args.out)[0] + ".ckpt.pt"
     progress.setup(args, fmt="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)

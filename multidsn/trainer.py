@@ -30,7 +30,12 @@ class LocalDSN:
         terms.total.backward()
         self.opt.step()
         self.steps += 1
-        return LossTerms(terms.total.detach(), terms.task, terms.recon, terms.difference, terms.similarity)
+        return terms.detached()
+
+    def set_lr(self, lr: float) -> None:
+        """Set the optimizer's learning rate (a schedule's step), as ``DistributedDSN.set_lr`` does on workers."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, domain: int = 0, batch_size: int = 256) -> torch.Tensor:

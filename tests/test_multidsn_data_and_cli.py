@@ -68,7 +68,7 @@ def test_image_folders(tmp_path):
 @pytest.mark.timeout(120)
 def test_train_cli_single_process(tmp_path):
     out = tmp_path / "train.jsonl"
-    summary = train.main(["--targets", "1", "--placement", "single", "--steps", "4", "--warmup", "2",
+    summary = train.main(["--recipe", "demo", "--targets", "1", "--placement", "single", "--steps", "4", "--warmup", "2",
                           "--image-size", "16", "--width", "4", "--batch-size", "4", "--log-every", "2",
                           "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -82,7 +82,7 @@ def test_train_cli_single_process(tmp_path):
 @pytest.mark.timeout(120)
 def test_train_cli_several_seeds_reports_the_spread_of_the_gain(tmp_path, capsys):
     out = tmp_path / "train.jsonl"
-    summary = train.main(["--targets", "1", "--shifts", "noise", "--placement", "single", "--steps", "3",
+    summary = train.main(["--recipe", "demo", "--targets", "1", "--shifts", "noise", "--placement", "single", "--steps", "3",
                           "--warmup", "1", "--image-size", "16", "--width", "4", "--batch-size", "4",
                           "--seeds", "3-5", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -105,13 +105,13 @@ def test_train_cli_several_seeds_reports_the_spread_of_the_gain(tmp_path, capsys
 @pytest.mark.parametrize("bad", ["a,b", "2,2", "5-3"])
 def test_train_cli_rejects_bad_seed_lists(bad):
     with pytest.raises(SystemExit):
-        train.parse_args(["--seeds", bad])
+        train.parse_args(["--recipe", "demo", "--seeds", bad])
 
 
 @pytest.mark.timeout(120)
 def test_train_cli_picks_targets_by_name(tmp_path):
     out = tmp_path / "train.jsonl"
-    summary = train.main(["--targets", "2", "--shifts", "noise,invert", "--placement", "single", "--steps", "2",
+    summary = train.main(["--recipe", "demo", "--targets", "2", "--shifts", "noise,invert", "--placement", "single", "--steps", "2",
                           "--warmup", "1", "--image-size", "16", "--width", "4", "--batch-size", "4",
                           "--similarity", "dann", "--skip-baseline", "--out", str(out)])
     assert summary["target_names"] == ["noise", "invert"] and summary["source_only_mean_target_accuracy"] is None
@@ -153,7 +153,7 @@ def test_train_killed_and_resumed_writes_what_an_uninterrupted_run_writes(tmp_pa
     import sys
     import time
 
-    args = [sys.executable, "-m", "multidsn.train", "--placement", "single", "--steps", "300", "--seeds", "0,1",
+    args = [sys.executable, "-m", "multidsn.train", "--recipe", "demo", "--placement", "single", "--steps", "300", "--seeds", "0,1",
             "--batch-size", "8", "--image-size", "16", "--width", "4", "--log-every", "100",
             "--checkpoint-every", "50"]
     subprocess.run(args + ["--out", str(tmp_path / "full.jsonl")], check=True, capture_output=True, timeout=200)

@@ -44,20 +44,29 @@ def batches(cfg: multidsn.DSNConfig, steps: int = 3) -> list[multidsn.Batch]:
 
 def rel_errors(ref: dict, got: dict) -> dict:
     assert list(ref) == list(got)
-    return {k: float((ref[k] - got[k]).norm() / ref[k].norm().clamp_min(1e-300)) for k in ref}
+    # .double(): batch norm's num_batches_tracked is an integer buffer
+    return {k: float((ref[k].double() - got[k].double()).norm() / ref[k].double().norm().clamp_min(1e-300))
+            for k in ref}
 
 
 def check_equivalence(world: World, num_targets: int, similarity: str, placement: str, decoder: str = "domain",
-                      head: str = "separate", **overrides) -> None:
+                      head: str = "separate", weight_decay_check: bool = False, **overrides) -> None:
+    """``weight_decay_check``: SGD with weight decay and a learning rate changed after step 1 through
+    ``set_lr`` (the paper recipe's optimizer and schedule)."""
     cfg = tiny(num_targets, similarity, **overrides)
     torch.manual_seed(0)
     dsn = multidsn.DSN(cfg).double()
     initial = {n: p.detach().clone() for n, p in dsn.named_parameters() if n.startswith("private_encoders.")}
     net = multidsn.parallelize(dsn, world, placement=placement, decoder=decoder, head=head)
+    sgd = dict(lr=0.1, momentum=0.9, weight_decay=0.01 if weight_decay_check else 0.0)
     try:
-        net.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-        opt = torch.optim.SGD(dsn.parameters(), lr=0.1, momentum=0.9)
+        net.optimizer(torch.optim.SGD, **sgd)
+        opt = torch.optim.SGD(dsn.parameters(), **sgd)
         for step, b in enumerate(batches(cfg)):
+            if weight_decay_check and step == 2:
+                net.set_lr(0.05)
+                for group in opt.param_groups:
+                    group["lr"] = 0.05
             opt.zero_grad()
             loss = dsn.loss(b, step)
             loss.backward()
@@ -69,13 +78,18 @@ def check_equivalence(world: World, num_targets: int, similarity: str, placement
         # Every replica of a shared module ends equal to the reference too, not only the first holder.
         for replica in net.replica_state_dicts():
             for k, v in replica.items():
-                assert float((v - dsn.state_dict()[k]).norm() / dsn.state_dict()[k].norm()) <= TOL, k
+                want = dsn.state_dict()[k].double()
+                assert float((v.double() - want).norm() / want.norm().clamp_min(1e-300)) <= TOL, k
         # Every private encoder trained (the adaptation losses did switch on after the warm-up): each of its
-        # weights moved from the value it started at, in the same model instance.
+        # weights moved from the value it started at, in the same model instance. With alpha = beta = 0 (DANN
+        # or MMD alone) none may move: the private encoders must not run at all.
         trained = net.state_dict()
         assert {n.split(".")[1] for n in initial} == {str(k) for k in range(cfg.num_targets + 1)}
         still = [n for n, v in initial.items() if torch.equal(v, trained[n])]
-        assert not still, f"private encoder weights never updated: {still}"
+        if cfg.separating:
+            assert not still, f"private encoder weights never updated: {still}"
+        else:
+            assert len(still) == len(initial), "alpha = beta = 0, yet private encoder weights moved"
     finally:
         net.close()
 
@@ -193,3 +207,25 @@ def test_extra_workers_stay_idle_and_evaluation_matches(world):
 def test_encoder_placement_k3(world, similarity, decoder):
     # 2 (K + 1) = 8 workers, each private encoder and each shared replica alone on its worker.
     check_equivalence(world, 3, similarity, "encoder", decoder=decoder, head="source")
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("placement, head", [("domain", "separate"), ("encoder", "source")])
+def test_paper_architecture_with_batch_norm_private_encoders(world, placement, head):
+    # The TF networks (multidsn.recipes' paper recipe): 5x5 convs, fc codes, the small decoder, and batch norm
+    # in the private encoders. Each private encoder runs once per step on its own worker, so its batch
+    # statistics and running averages (compared with the weights: state_dict holds them) match one process.
+    check_equivalence(world, 1, "dann", placement, head=head, architecture="dann_mnist", private_batch_norm=True,
+                      shared_widths=(4, 5), private_widths=(3, 4), decoder_widths=(4, 4), weight_decay_check=True)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("placement, head, similarity", [("domain", "separate", "dann"),
+                                                         ("encoder", "source", "mmd")])
+def test_similarity_alone_skips_the_private_encoders_exactly(world, placement, head, similarity):
+    # alpha = beta = 0 is the recipe's "dann" row: only the shared encoders and the head run, on both paths;
+    # with weight decay, a private encoder given a zero gradient instead of none would still move.
+    check_equivalence(world, 1, similarity, placement, head=head, alpha=0.0, beta=0.0, mmd_bandwidth="median",
+                      weight_decay_check=True)

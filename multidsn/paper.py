@@ -1,0 +1,161 @@
+"""The paper recipe's runner: every (method, seed) of ``recipes.METHODS`` on MNIST -> MNIST-M-style
+(``multidsn.mnist``), one JSON line per (method, target, seed) appended to the results file as each model
+finishes. A rerun skips the (method, target, seed) already recorded with the same recipe, so the table can
+be filled over several sittings.
+
+Each line: ``method``, ``target``, ``seed``, ``target_acc`` (a fraction), ``target_acc_light`` /
+``target_acc_dark`` (test images whose strokes are brighter / darker than their background, mnistm only),
+``source_acc``, ``domain_acc`` (DANN's domain classifier on its training batches, mean over the last tenth of
+the steps), ``domain_probe_acc`` (a logistic regression telling source from target shared codes, every
+method), ``private_codes`` (the collapse check, DSN rows), ``steps``, ``train_s``, ``recipe``, ``config``,
+the environment and ``commit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from bigconv import progress
+
+from .data import Domain, Sampler
+from .evaluation import accuracy, accuracy_by_polarity, domain_probe_accuracy, private_code_report
+from .model import DSN
+from .recipes import PaperRecipe, lr_at, method_config
+from .train_report import environment
+from .trainer import make_trainer
+
+log = logging.getLogger("multidsn.paper")
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunOptions:
+    """How the models are trained and recorded (not what they are: that is the ``PaperRecipe``)."""
+
+    placement: str = "single"
+    """'single' (this process) or a ``multidsn.parallelize`` placement on ``world``."""
+    decoder: str = "domain"
+    """``multidsn.parallelize``'s decoder mode."""
+    head: str = "separate"
+    """``multidsn.parallelize``'s head mode."""
+    log_every: int = 500
+    """Steps between two history entries (and log lines)."""
+    collapse_ratio: float = 0.01
+    """Private codes count as collapsed below this fraction of the shared codes' norm."""
+    out: str = "results/multidsn_paper.jsonl"
+    """The JSON-lines file the records are appended to, and read to skip what is done."""
+    command: str = ""
+    """The command line, recorded with every line."""
+    quiet: bool = False
+    """No progress bars."""
+
+
+def recipe_record(recipe: PaperRecipe, extra_targets: list[str]) -> dict:
+    """What a line must share with the current run to count as done."""
+    return {**{k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(recipe).items()},
+            "extra_targets": list(extra_targets)}
+
+
+def done(path: str, recipe: dict) -> set[tuple[str, str, int]]:
+    """(method, target, seed) already recorded in ``path`` with this very recipe."""
+    if not Path(path).exists():
+        return set()
+    out = set()
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        if r.get("recipe") == recipe and "method" in r:
+            out.add((r["method"], r["target"], r["seed"]))
+    return out
+
+
+def train(recipe: PaperRecipe, method: str, seed: int, source: Domain, targets: list[Domain], opts: RunOptions,
+          world=None) -> tuple[object, dict]:
+    """Train one model; returns (the trainer, still open; {"train_s", "history", "domain_acc"})."""
+    cfg = method_config(recipe, method, len(targets), image_size=source.train_x.shape[-1])
+    torch.manual_seed(seed)
+    model = make_trainer(DSN(cfg), world, opts.placement, opts.decoder, opts.head)
+    model.optimizer(torch.optim.SGD, lr=recipe.lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
+    if method == "target_only":  # the target's own labelled images in the source's place
+        (target,) = targets
+        labelled = Domain(target.name, target.train_x, target.train_y, target.test_x, target.test_y)
+        sampler = Sampler(labelled, targets, recipe.batch_size, seed=seed)
+    else:
+        sampler = Sampler(source, targets, recipe.batch_size, seed=seed)
+    history, domain_acc, lr = [], [], None
+    start = time.perf_counter()
+    with progress.bar(recipe.steps, f"{method} (seed {seed})", opts, unit="step") as pb:
+        for step in range(recipe.steps):
+            if lr_at(recipe, step) != lr:
+                lr = lr_at(recipe, step)
+                model.set_lr(lr)
+            terms = model.train_step_terms(next(sampler))
+            pb.update(1)
+            if terms.domain_accuracy is not None and step >= recipe.steps - recipe.steps // 10:
+                domain_acc.append(terms.domain_accuracy)
+            if step % opts.log_every == 0 or step == recipe.steps - 1:
+                history.append({"step": step, "lr": lr, **terms.record()})
+                log.info("%s seed %d %5d/%d  loss %.4f  task %.4f  sim %s  domain acc %s  %.1f s", method, seed,
+                         step + 1, recipe.steps, float(terms.total), terms.task,
+                         "-" if terms.similarity is None else f"{terms.similarity:.4f}",
+                         "-" if terms.domain_accuracy is None else f"{terms.domain_accuracy:.2f}",
+                         time.perf_counter() - start)
+    return model, {"train_s": time.perf_counter() - start, "history": history,
+                   "domain_acc": sum(domain_acc) / len(domain_acc) if domain_acc else None, "config": cfg}
+
+
+def evaluate(model, method: str, source: Domain, targets: list[Domain], opts: RunOptions) -> list[dict]:
+    """One dict per target: its accuracy (split by polarity where known) and the diagnostics."""
+    src_acc = accuracy(model, source, 0)
+    rows = []
+    for d, target in enumerate(targets, start=1):
+        row = {"target": target.name, "target_acc": accuracy(model, target, d), "source_acc": src_acc}
+        split = accuracy_by_polarity(model, target, d)
+        if split is not None:
+            row.update({"target_acc_light": split["light"], "target_acc_dark": split["dark"],
+                        "light_count": split["light_count"], "dark_count": split["dark_count"]})
+        row["domain_probe_acc"] = domain_probe_accuracy(model, source, target, d)
+        rows.append(row)
+    if method.startswith("dsn"):
+        report = private_code_report(model, [source, *targets], opts.collapse_ratio)
+        for row in rows:
+            row["private_codes"] = report
+    return rows
+
+
+def run(recipe: PaperRecipe, methods: list[str], seeds: list[int], source: Domain, targets: list[Domain],
+        opts: RunOptions, world=None) -> list[dict]:
+    """Train and record every (method, seed) not yet in ``opts.out``; returns the lines written."""
+    key = recipe_record(recipe, [t.name for t in targets[1:]])
+    have = done(opts.out, key)
+    env, written = environment(), []
+    for seed in seeds:
+        for method in methods:
+            groups = [[t] for t in targets] if method == "target_only" else [targets]
+            for group in groups:
+                if all((method, t.name, seed) in have for t in group):
+                    log.info("%s seed %d on %s: recorded already, skipped", method, seed, [t.name for t in group])
+                    continue
+                model, result = train(recipe, method, seed, source, group, opts, world)
+                try:
+                    rows = evaluate(model, method, source, group, opts)
+                finally:
+                    model.close()
+                lines = [{"record": "run", "method": method, "seed": seed, **row, "steps": recipe.steps,
+                          "warmup": recipe.warmup, "train_s": round(result["train_s"], 1),
+                          "step_s": round(result["train_s"] / recipe.steps, 5), "domain_acc": result["domain_acc"],
+                          "placement": opts.placement, "recipe": key, "config": dataclasses.asdict(result["config"]),
+                          "history": result["history"], "command": opts.command, "time": time.strftime(
+                              "%Y-%m-%dT%H:%M:%S"), **env} for row in rows]
+                Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+                with open(opts.out, "a") as f:
+                    f.writelines(json.dumps(line, default=str) + "\n" for line in lines)
+                written += lines
+                for line in lines:
+                    log.info("%s seed %d: %s %.1f%% (%.0f s)", method, seed, line["target"],
+                             100 * line["target_acc"], line["train_s"])
+    return written

@@ -1,0 +1,112 @@
+"""``python -m multidsn.train`` with ``--recipe paper`` (the default): the arguments to a ``PaperRecipe``,
+the data, the runner, and the table of every recorded (method, seed) of this recipe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+from pathlib import Path
+
+import torch
+
+from bigconv import progress
+
+from .mnist import paper_domains
+from .paper import RunOptions, done, recipe_record, run
+from .placement import workers_needed
+from .recipes import METHODS, PaperRecipe
+
+log = logging.getLogger("multidsn.train")
+
+
+def recipe_from(args: argparse.Namespace) -> PaperRecipe:
+    return PaperRecipe(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, lr=args.lr,
+                       momentum=args.momentum, weight_decay=args.weight_decay, lr_decay=args.lr_decay,
+                       lr_decay_steps=args.lr_decay_steps, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
+                       gamma_mmd=args.gamma_mmd)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    progress.setup(args, fmt="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    recipe = recipe_from(args)
+    seeds = args.seeds or [0, 1, 2]
+    key = recipe_record(recipe, args.extra_targets)
+    if not args.report:
+        source, targets = paper_domains(args.extra_targets)
+        log.info("data: %s %d train / %d test; %s", source.name, len(source.train_x), len(source.test_x),
+                 ", ".join(f"{t.name} {len(t.train_x)} train / {len(t.test_x)} test" for t in targets))
+        opts = RunOptions(placement=args.placement, decoder=args.decoder, head=args.head, log_every=args.log_every,
+                          collapse_ratio=args.collapse_ratio, out=args.out, quiet=args.quiet,
+                          command="python -m multidsn.train " + " ".join(argv))
+        world = None
+        if args.placement != "single":
+            import bigconv
+
+            world = bigconv.World(workers=args.workers or workers_needed(len(targets), args.placement, args.head))
+        try:
+            with progress.bars_and_logs():
+                run(recipe, args.methods, seeds, source, targets, opts, world)
+        finally:
+            if world is not None:
+                world.close()
+    lines = records(args.out, key)
+    print(table(lines, seeds))
+    missing = [(m, s) for s in seeds for m in args.methods if (m, "mnistm", s) not in done(args.out, key)]
+    if missing:
+        print("not recorded yet: " + ", ".join(f"{m} seed {s}" for m, s in missing))
+    return lines
+
+
+def records(path: str, key: dict) -> list[dict]:
+    """The lines of ``path`` written with this recipe."""
+    if not Path(path).exists():
+        return []
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("recipe") == key]
+
+
+def _stat(values: list[float | None]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = 100 * statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.1f}"
+    return f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}"
+
+
+def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
+    """Markdown: per method, mean ± std over the seeds of the target accuracy, its polarity split, source
+    accuracy, the domain diagnostics and private-code collapse; then the bar's verdict."""
+    rows = ["| method | seeds | target acc % | strokes light % | strokes dark % | source acc % | domain clf acc % "
+            "| domain probe acc % | private codes | train s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    means = {}
+    for m in METHODS:
+        mine = [r for r in lines if r["method"] == m and r["target"] == target and r["seed"] in seeds]
+        if not mine:
+            continue
+        mine.sort(key=lambda r: r["seed"])
+        means[m] = statistics.fmean(r["target_acc"] for r in mine)
+        codes = "-"
+        if any("private_codes" in r for r in mine):
+            collapsed = sum(bool(r["private_codes"]["collapsed"]) for r in mine)
+            codes = f"{collapsed}/{len(mine)} collapsed"
+        rows.append(f"| {m} | {','.join(str(r['seed']) for r in mine)} | {_stat([r['target_acc'] for r in mine])} "
+                    f"| {_stat([r.get('target_acc_light') for r in mine])} "
+                    f"| {_stat([r.get('target_acc_dark') for r in mine])} "
+                    f"| {_stat([r['source_acc'] for r in mine])} | {_stat([r.get('domain_acc') for r in mine])} "
+                    f"| {_stat([r.get('domain_probe_acc') for r in mine])} | {codes} "
+                    f"| {statistics.fmean(r['train_s'] for r in mine):.0f} |")
+    counts = next((r for r in lines if r["target"] == target and r.get("light_count") is not None), None)
+    if counts:
+        rows.append(f"\ntest images: {counts['light_count']} with light strokes, {counts['dark_count']} with dark")
+    if {"source_only", "dann", "dsn_dann"} <= set(means):
+        gain = 100 * (means["dsn_dann"] - means["source_only"])
+        verdict = gain >= 15 and means["dsn_dann"] >= means["dann"]
+        rows.append(f"bar (dsn_dann >= source_only + 15 points and >= dann): dsn_dann - source_only = {gain:+.1f} "
+                    f"points, dsn_dann - dann = {100 * (means['dsn_dann'] - means['dann']):+.1f}: "
+                    f"{'MET' if verdict else 'NOT MET'}")
+    return "\n".join(rows)
