@@ -200,7 +200,8 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     buffer, each step's loss, each judged against its own size); ``worst`` names the tensor behind
     each, and ``tensors`` lists them all. ``exact`` says whether all of them are <= ``tol`` (1e-9
     for float64, 1e-4 for float32 by default), integer buffers are equal, every replica holds the
-    same weights and the state dict has the plain model's keys.
+    same weights and the state dict has the plain model's keys. ``ill_conditioned`` lists the
+    tensors that rounding alone moves by more than ``tol`` of their size in one process.
 
     ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
     single process gets the same pixels read whole. On an SPMD world every rank calls this with the
@@ -254,6 +255,10 @@ def summarize(errors: Sequence[TensorError], tol: float) -> dict:
         result[key] = worst.rel if worst else 0.0
         result["worst"][key] = worst.as_dict() if worst else None
     result["tol"] = tol
+    # Tensors that one process itself cannot pin down to ``tol``: rounding alone moves them more (a
+    # gradient that is exactly zero, BatchNorm over a few values). They are judged against that noise,
+    # and listed, since no comparison can say more about them.
+    result["ill_conditioned"] = [e.as_dict() for e in errors if e.noise > tol * e.scale]
     # nan never compares <= tol, so a nan anywhere reads as not exact.
     result["exact"] = all(result[k] <= tol for k in ERROR_KEYS)
     result["tensors"] = [e.as_dict() for e in errors]

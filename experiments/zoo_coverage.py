@@ -129,6 +129,10 @@ def run_entry(entry, world) -> dict:
         # How close the floored tensors came to their bound (NOISE_FACTOR): the margin the factor leaves.
         record["floored_error_over_noise"] = max((t["error"] / t["noise"] for t in floored), default=0.0)
         record["tensors"] = len(r["tensors"])
+        # Tensors one process cannot pin to 1e-9 itself (rounding moves them more): judged against that noise.
+        record["ill_conditioned"] = len(r["ill_conditioned"])
+        record["worst_conditioned"] = _finite(max(r["ill_conditioned"], key=lambda t: t["noise"] / max(t["scale"], 1e-300),
+                                                  default=None))
         record["status"] = status_of(r)
         record["error_type"] = record["error"] = record["where"] = None
     except Exception as exc:  # one model's failure must not stop the sweep

@@ -10,7 +10,10 @@ that a model-wide denominator hid, and to pass what is exact:
   workers only, is flagged by ``compare_training`` on a World;
 - a conv -> BatchNorm model, whose conv bias has an exact gradient of 0 that both sides compute as
   rounding residue (the same residue read against its own size is 1.0), passes: the residue is
-  judged against what one-ulp perturbations move it in one process.
+  judged against what one-ulp perturbations move it in one process;
+- an ill-conditioned zoo model (timm's MobileNetV4 on 2x64x64, where BatchNorm over 2x2 maps lets a
+  one-ulp perturbation move running statistics and biases by more than their own size) passes
+  against its own sensitivity, and the tensors judged that way are listed.
 
 A failure points at bigconv/verify.py.
 """
@@ -172,3 +175,23 @@ def test_a_rounding_residue_judged_against_its_noise_passes(world):
     assert bias["error"] > 1e-3 * bias["scale"]  # against its own size alone this would read as wrong
     assert bias["scale"] < 1e-14 * max(t["scale"] for t in r["tensors"] if t["category"] == "param_grads")
     assert r["exact"], {k: r["worst"][k] for k in ERROR_KEYS}
+
+
+@pytest.mark.world(2)
+@pytest.mark.timeout(180)
+def test_an_ill_conditioned_zoo_model_passes_against_its_noise(world):
+    """The zoo runs this model at 4x96x96 because at 2x64x64 the old check read a mismatch (loss 1e-8)."""
+    entry = BY_NAME["timm/mobilenetv4_conv_small_050"]
+    torch.manual_seed(0)
+    model = entry.build().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64, generator=g)
+    r = compare_training(model, world, x, torch.randint(0, entry.num_classes, (2,), generator=g), nn.CrossEntropyLoss(),
+                         grid=entry.grid)
+    assert r["exact"], {k: r["worst"][k] for k in ERROR_KEYS}
+    # It is ill-conditioned: some tensors differ from one process by more than 1e-6 of their own size, and
+    # each of those is one that rounding alone moves as far in one process.
+    far = [t for t in r["tensors"] if t["error"] > 1e-6 * t["scale"]]
+    assert far
+    listed = {(t["category"], t["tensor"]) for t in r["ill_conditioned"]}
+    assert all((t["category"], t["tensor"]) in listed for t in far), far
