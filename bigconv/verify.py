@@ -247,6 +247,13 @@ def judge(got: Run, ref: Run, noise: Noise, tol: float) -> list[TensorError]:
     return errors
 
 
+class TensorList(list):
+    """Per-tensor dicts; printed short, so a failed assertion that shows a whole result stays readable."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} tensors; see the list's items>"
+
+
 def summarize(errors: Sequence[TensorError], tol: float) -> dict:
     """The worst ``rel`` of each category, the tensor behind it, every tensor, and whether all are <= ``tol``."""
     result: dict = {"worst": {}}
@@ -258,8 +265,8 @@ def summarize(errors: Sequence[TensorError], tol: float) -> dict:
     # Tensors that one process itself cannot pin down to ``tol``: rounding alone moves them more (a
     # gradient that is exactly zero, BatchNorm over a few values). They are judged against that noise,
     # and listed, since no comparison can say more about them.
-    result["ill_conditioned"] = [e.as_dict() for e in errors if e.noise > tol * e.scale]
+    result["ill_conditioned"] = TensorList(e.as_dict() for e in errors if e.noise > tol * e.scale)
     # nan never compares <= tol, so a nan anywhere reads as not exact.
     result["exact"] = all(result[k] <= tol for k in ERROR_KEYS)
-    result["tensors"] = [e.as_dict() for e in errors]
+    result["tensors"] = TensorList(e.as_dict() for e in errors)
     return result
