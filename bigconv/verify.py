@@ -77,8 +77,9 @@ class TensorError:
 
 
 def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float,
-                 tol: float) -> TensorError:
-    """Judge ``got`` against ``ref``; ``noise`` is what one-ulp perturbations move ``ref`` in one process."""
+                 tol: float, spread: float = 0.0) -> TensorError:
+    """Judge ``got`` against ``ref``; ``noise`` is what one-ulp perturbations move ``ref`` in one process;
+    ``spread`` is a scale the tensor is only determined to beside its own (see ``_spread``)."""
     if got is None:  # the distributed run produced nothing where one process has a tensor (a lost gradient)
         got = torch.zeros_like(ref)
     if tuple(got.shape) != tuple(ref.shape):
@@ -88,7 +89,7 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
         return TensorError(category, name, 0.0 if same else float("inf"), 0.0 if same else abs_err(got, ref),
                            _scale(ref), 0.0)
     error, scale = abs_err(got, ref), _scale(ref)
-    denominator = max(scale, NOISE_FACTOR * noise / tol)
+    denominator = max(scale, spread, NOISE_FACTOR * noise / tol)
     if math.isnan(error):  # nan compares false with everything: it must read as the worst, not be skipped
         rel = float("inf")
     else:
@@ -243,8 +244,20 @@ def judge(got: Run, ref: Run, noise: Noise, tol: float) -> list[TensorError]:
         got_t = mine.get(key)
         if key[0] == "loss" and got_t is None:
             got_t = torch.tensor(float("nan"))
-        errors.append(tensor_error(*key, got_t, want, noise.get(key, 0.0), tol))
+        errors.append(tensor_error(*key, got_t, want, noise.get(key, 0.0), tol, _spread(key, ref.state)))
     return errors
+
+
+def _spread(key: tuple[str, str], state: dict) -> float:
+    """A running mean is determined only to rounding of the spread of what it averages: judge it against
+    the square root of its running variance too. Where the batch mean is a structural zero of one
+    process's summation order (BatchNorm over two values: (a - m) + (b - m) rounds to exactly 0), the
+    other order leaves a residue 1e-18 of that spread, which no perturbation of the inputs reproduces."""
+    category, name = key
+    if category != "weights" or not name.endswith("running_mean"):
+        return 0.0
+    var = state.get(name[: -len("running_mean")] + "running_var")
+    return var.detach().double().clamp_min(0).max().sqrt().item() if var is not None and var.numel() else 0.0
 
 
 class TensorList(list):
