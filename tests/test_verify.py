@@ -30,7 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import BY_NAME
 
-from bigconv.verify import ERROR_KEYS, compare_training, judge, measure_noise, named_tensors, summarize, train_single
+from bigconv.verify import (ERROR_KEYS, Run, compare_training, judge, measure_noise, named_tensors, summarize,
+                            train_single)
 
 TOL = 1e-9
 
@@ -195,3 +196,15 @@ def test_an_ill_conditioned_zoo_model_passes_against_its_noise(world):
     assert far
     listed = {(t["category"], t["tensor"]) for t in r["ill_conditioned"]}
     assert all((t["category"], t["tensor"]) in listed for t in far), far
+
+
+def test_a_running_mean_is_judged_against_its_spread():
+    """A mean that one process computes as a structural 0.0 is known only to rounding of the spread it
+    averages: a residue of 1e-18 passes, a mean off by 1e-6 of the spread does not."""
+    state = {"bn.running_mean": torch.zeros(3, dtype=torch.float64), "bn.running_var": torch.full((3,), 4.0).double()}
+    ref = Run(torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64), {}, [], state)
+    noise = {k: 0.0 for k in named_tensors(ref)}
+    for offset, exact in ((1e-18, True), (2e-6, False)):
+        got = dataclasses.replace(ref, state={**state, "bn.running_mean": torch.tensor([0.0, offset, 0.0]).double()})
+        r = summarize(judge(got, ref, noise, TOL), TOL)
+        assert r["exact"] is exact, r["worst"]["weights"]
