@@ -59,8 +59,9 @@ class TensorError:
 
     ``error`` and ``scale`` are max-norms (of the difference, of the reference); ``noise`` is the
     max-norm of what one-ulp perturbations of the input and weights move the reference; ``rel`` is
-    ``error / max(scale, NOISE_FACTOR * noise / tol)``, so ``rel <= tol`` means "within tol of its own
-    size, or within NOISE_FACTOR times rounding's own effect on this tensor". Integer tensors are
+    ``error / max(scale, spread, NOISE_FACTOR * noise / tol)``, so ``rel <= tol`` means "within tol of
+    its own size (or of the spread a running mean averages), or within NOISE_FACTOR times rounding's
+    own effect on this tensor". Integer tensors are
     compared exactly: ``rel`` is 0 or inf.
     """
 
@@ -70,10 +71,11 @@ class TensorError:
     error: float
     scale: float
     noise: float
+    spread: float = 0.0
 
     def as_dict(self) -> dict:
         return {"category": self.category, "tensor": self.name, "rel": self.rel, "error": self.error,
-                "scale": self.scale, "noise": self.noise}
+                "scale": self.scale, "noise": self.noise, "spread": self.spread}
 
 
 def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float,
@@ -94,7 +96,7 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
         rel = float("inf")
     else:
         rel = error / denominator if denominator > 0 else (0.0 if error == 0 else float("inf"))
-    return TensorError(category, name, rel, error, scale, noise)
+    return TensorError(category, name, rel, error, scale, noise, spread)
 
 
 @dataclass
@@ -278,7 +280,7 @@ def summarize(errors: Sequence[TensorError], tol: float) -> dict:
     # Tensors that one process itself cannot pin down to ``tol``: rounding alone moves them more (a
     # gradient that is exactly zero, BatchNorm over a few values). They are judged against that noise,
     # and listed, since no comparison can say more about them.
-    result["ill_conditioned"] = TensorList(e.as_dict() for e in errors if e.noise > tol * e.scale)
+    result["ill_conditioned"] = TensorList(e.as_dict() for e in errors if e.noise > tol * max(e.scale, e.spread))
     # nan never compares <= tol, so a nan anywhere reads as not exact.
     result["exact"] = all(result[k] <= tol for k in ERROR_KEYS)
     result["tensors"] = TensorList(e.as_dict() for e in errors)

@@ -125,7 +125,7 @@ def run_entry(entry, world) -> dict:
         record["errors"] = _finite({k: r[k] for k in (*ERROR_KEYS, "replicas_equal", "keys_match", "tol")})
         record["worst"] = _finite(r["worst"])
         # Tensors judged against rounding's effect on them rather than their size (near zero or ill-conditioned).
-        floored = [t for t in r["tensors"] if t["noise"] * NOISE_FACTOR / r["tol"] > t["scale"]]
+        floored = [t for t in r["tensors"] if t["noise"] * NOISE_FACTOR / r["tol"] > max(t["scale"], t["spread"])]
         record["noise_floored"] = len(floored)
         # How close the floored tensors came to their bound (NOISE_FACTOR): the margin the factor leaves.
         record["floored_error_over_noise"] = max((t["error"] / t["noise"] for t in floored), default=0.0)
