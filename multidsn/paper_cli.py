@@ -100,6 +100,15 @@ def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
                     f"| {_stat([r['source_acc'] for r in mine])} | {_stat([r.get('domain_acc') for r in mine])} "
                     f"| {_stat([r.get('domain_probe_acc') for r in mine])} | {codes} "
                     f"| {statistics.fmean(r['train_s'] for r in mine):.0f} |")
+    present = sorted({r["seed"] for r in lines if r["target"] == target and r["seed"] in seeds})
+    if present:
+        rows += ["", "| method | " + " | ".join(f"seed {s} %" for s in present) + " |",
+                 "|---|" + "---|" * len(present)]
+        for m in METHODS:
+            acc = {r["seed"]: r["target_acc"] for r in lines if r["method"] == m and r["target"] == target}
+            if acc:
+                rows.append(f"| {m} | " + " | ".join(f"{100 * acc[s]:.1f}" if s in acc else "-" for s in present)
+                            + " |")
     counts = next((r for r in lines if r["target"] == target and r.get("light_count") is not None), None)
     if counts:
         rows.append(f"\ntest images: {counts['light_count']} with light strokes, {counts['dark_count']} with dark")

@@ -1,7 +1,9 @@
 """multidsn across workers: a DSN trained for 3 steps by ``multidsn.parallelize`` ends with the weights of
 the same DSN trained in one process (float64, relative error <= 1e-9 per tensor), for both similarity
 losses, both placements, both decoder modes, K = 1 and K = 3, with the warm-up ending after step 0 (so
-steps before and after it are both checked). Also: replicas stay equal, bad input fails before any
+steps before and after it are both checked); also for the paper recipe's networks (batch norm in the private
+encoders: its running statistics are compared with the weights) and for alpha = beta = 0 (the private
+encoders must not run), with SGD weight decay and a learning rate changed through ``set_lr``. Also: replicas stay equal, bad input fails before any
 remote work, and the world stays usable after it.
 
 Why 1e-9: float64 rounding of a re-associated sum (allreduce order, per-domain forwards) is ~1e-16
