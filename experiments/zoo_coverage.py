@@ -56,8 +56,9 @@ TOL = 1e-9
 # of 1e-3 of the state's largest entry for weights). "per-tensor": each tensor against its own size,
 # floored by 10x a one-ulp input perturbation's effect (commit d352bee, a few records). "per-tensor/2":
 # floored by 100x the effect of one-ulp perturbations of the input and every weight. "per-tensor/3": the
-# same, and a running mean also against the square root of its running variance (bigconv.verify now).
-METRIC = "per-tensor/3"
+# same, and a running mean also against the square root of its running variance. "per-tensor/4": the second
+# perturbed run takes the batch in reverse order (bigconv.verify now).
+METRIC = "per-tensor/4"
 # Where bigconv raises a refusal: parallelize() (module checks) and the dry run of ParallelModel.plan.
 _REFUSAL_FRAMES = {"parallelize", "__init__", "plan", "_make_plan", "check_modules"}
 
@@ -208,7 +209,7 @@ def run(args) -> int:
 
 
 METRIC_NAMES = {None: "old check", "per-tensor": "per-tensor, input noise", "per-tensor/2": "per-tensor, no spread",
-                METRIC: "per-tensor"}
+                "per-tensor/3": "per-tensor, no reversed batch", METRIC: "per-tensor"}
 
 
 def _note(rec: dict) -> str:
