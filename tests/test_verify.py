@@ -208,3 +208,34 @@ def test_a_running_mean_is_judged_against_its_spread():
         got = dataclasses.replace(ref, state={**state, "bn.running_mean": torch.tensor([0.0, offset, 0.0]).double()})
         r = summarize(judge(got, ref, noise, TOL), TOL)
         assert r["exact"] is exact, r["worst"]["weights"]
+
+
+class DependsOnBatchOrder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    def forward(self, x):
+        y = self.head(self.conv(x))
+        return y * torch.arange(1, y.shape[0] + 1, dtype=y.dtype).view(-1, 1)  # sample i scaled by i + 1
+
+
+def test_the_reversed_batch_run_is_used_only_where_the_model_allows_it():
+    """The noise run on a reversed batch puts output and input gradient back in order; a model that is not
+    the same function of a reordered batch gets no such run (its differences are not rounding)."""
+    from bigconv.verify import _reversed_run
+
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 1, 6, 5, dtype=torch.float64), torch.tensor([0, 2, 1])
+    loss_fn = nn.CrossEntropyLoss()
+    plain = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.AdaptiveAvgPool2d(1), nn.Flatten()).double()
+    ref = train_single(copy.deepcopy(plain), x, y, loss_fn)
+    run = _reversed_run(copy.deepcopy(plain), x, y, loss_fn, ref, 2, torch.optim.SGD, None)
+    assert run is not None
+    assert torch.allclose(run.output, ref.output, rtol=1e-12) and torch.allclose(run.input_grad, ref.input_grad,
+                                                                                   rtol=1e-9, atol=1e-15)
+    odd = DependsOnBatchOrder().double()
+    assert _reversed_run(copy.deepcopy(odd), x, y, loss_fn, train_single(copy.deepcopy(odd), x, y, loss_fn), 2,
+                         torch.optim.SGD, None) is None
+    assert _reversed_run(copy.deepcopy(plain), x[:1], y[:1], loss_fn, ref, 2, torch.optim.SGD, None) is None
