@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import Domain
-from .shifts import SHIFTS
+from .shifts import SHIFTS, load_photos
 
 IMAGE_SIZE = 32
 TEST_PER_CLASS = 100
@@ -59,17 +59,7 @@ def split(labels: np.ndarray, test_per_class: int = TEST_PER_CLASS, seed: int = 
 
 def photos() -> list[np.ndarray]:
     """Every ``PHOTOS`` image as (H, W, 3) float32 in [0, 1]."""
-    try:
-        import skimage.data as data
-    except ImportError as exc:
-        raise ImportError("the MNIST-M-style target uses scikit-image's bundled photographs; "
-                          "pip install scikit-image (or bigconv[data])") from exc
-    out = []
-    for name in PHOTOS:
-        img = getattr(data, name)()
-        img = img[0] if isinstance(img, tuple) else img
-        out.append(img[..., :3].astype(np.float32) / 255.0)
-    return out
+    return [img[..., :3] for img in load_photos(PHOTOS)]
 
 
 def blend(digits_N28: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -17,21 +17,23 @@ COLOUR_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemist
 GREY_TEXTURES = ("brick", "grass", "gravel")
 
 
-def _photos(names: tuple[str, ...]) -> list[np.ndarray]:
+def load_photos(names: tuple[str, ...]) -> list[np.ndarray]:
+    """scikit-image's bundled images ``names`` as (H, W, C) float32 in [0, 1] (a stereo pair: its first frame)."""
     try:
         import skimage.data as data
     except ImportError as exc:
-        raise ImportError("the 'mnistm' and 'texture' shifts use scikit-image's bundled images; "
+        raise ImportError("the MNIST-M-style target and the 'texture' shift use scikit-image's bundled images; "
                           "pip install scikit-image (or bigconv[data])") from exc
     out = []
     for name in names:
-        img = getattr(data, name)().astype(np.float32) / 255.0
+        img = getattr(data, name)()
+        img = (img[0] if isinstance(img, tuple) else img).astype(np.float32) / 255.0
         out.append(img if img.ndim == 3 else img[..., None])
     return out
 
 
 def _patches(n: int, size: int, names: tuple[str, ...], rng: np.random.Generator) -> torch.Tensor:
-    photos = _photos(names)
+    photos = load_photos(names)
     out = np.empty((n, size, size, photos[0].shape[-1]), dtype=np.float32)
     for i in range(n):
         img = photos[rng.integers(len(photos))]
