@@ -112,7 +112,6 @@ def _record(entry) -> dict:
 
 
 def run_entry(entry, world) -> dict:
-
     record = _record(entry)
     record["metric"] = METRIC  # refusals too: they were made by this code, under this check
     t0 = time.perf_counter()
