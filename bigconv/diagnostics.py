@@ -27,10 +27,11 @@ def _exchange(call: int, grid, shape, windows, x_local: torch.Tensor, y_local: t
     x_local.requires_grad_(True)
     _LEAVES[call] = x_local
     try:
-        window = ShardExecutor(grid, call).gather_window(x_local, shape, windows)
+        rt = transport.runtime()
+        window = ShardExecutor(grid, call, rt).gather_window(x_local, shape, windows)
         return window.detach().clone(), (window * y_local).sum()
     finally:
-        transport.flush()
+        transport.flush(rt)
 
 
 def _adjoint_half(call: int, context_id: int) -> tuple[torch.Tensor, float]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import transport
 from .executors import ShardExecutor
 from .geometry import all_coords, shard_box
 from .sharding import ModulePath, ShardMode, global_shape, global_size, mark
@@ -60,14 +59,13 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
     def shard(index: int) -> None:
         rt = WorkerRuntime(index=index, workers=len(coords), device=torch.device("meta"), timeout=DRY_RUN_TIMEOUT_S,
                            mailbox=mailboxes[index], send=deliver)
-        transport.set_thread_runtime(rt)
         model = copy.deepcopy(meta).train(training)
         path = ModulePath(model)
         box = shard_box(spatial, grid, coords[index])
         x = mark(torch.empty((*x_shape[:2], *(b - a for a, b in box)), dtype=dtype, device="meta"), spatial)
         try:
             # Tensors the forward builds without a device land on meta too, next to the model's.
-            with torch.enable_grad(), torch.device("meta"), ShardMode(ShardExecutor(grid, call=0), path):
+            with torch.enable_grad(), torch.device("meta"), ShardMode(ShardExecutor(grid, 0, rt), path):
                 out = model(x)
             outs[index] = out
         except BaseException as exc:  # reported by the driver's thread, naming the module
@@ -75,8 +73,6 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
             errors[index] = exc
             for box_ in mailboxes:
                 box_.abort(f"shard {index} of the dry run failed")
-        finally:
-            transport.set_thread_runtime(None)
 
     threads = [threading.Thread(target=shard, args=(i,), name=f"bigconv-dry-run-{i}", daemon=True)
                for i in range(len(coords))]

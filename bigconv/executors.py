@@ -5,7 +5,7 @@ every other shard exactly the part of its input that shard reads (distributed au
 needs every send to be consumed), convolves its own data into its whole output while halos are in
 flight, then adds the halos' contribution to the border slabs (convolution is linear). The output is
 cut the same way as every tensor: balanced over the grid. Which transport carries the exchanges is
-the runtime's link (``bigconv.transport``): the executor only says what goes where.
+the runtime's link (``bigconv.transport``), handed to the executor with its runtime: the executor only says what goes where.
 
 The driver's dry run (``bigconv.dry_run``) runs this same executor for every shard, on meta
 tensors, with an in-process transport: whatever a worker would raise, the dry run raises first.
@@ -141,11 +141,12 @@ class _Part:
 class ShardExecutor:
     """Runs on one worker for one forward call."""
 
-    def __init__(self, grid: tuple[int, ...], call: int) -> None:
+    def __init__(self, grid: tuple[int, ...], call: int, rt: transport.WorkerRuntime) -> None:
+        """``rt``: the shard this executor runs (its index, device and links), handed in by its caller."""
         self.grid = grid
         self.call = call
-        self.rt = transport.runtime()
-        self.link = transport.link_of(self.rt)
+        self.rt = rt
+        self.link = transport.link_of(rt)
         self.replicas, self.replica_link = self.rt.replicas, self.rt.replica_link
         self.coord = coord_of(self.rt.index, grid)
         self.exchange = 0

@@ -72,7 +72,7 @@ class Replica:
         if grad == "input":  # keep the input shard as a leaf, to read its gradient afterwards
             self.last_input = x.requires_grad_(True)
         try:
-            with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call), self.path):
+            with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call, self.rt), self.path):
                 try:
                     out = self.model(x)
                 except Exception as exc:
@@ -87,7 +87,7 @@ class Replica:
                 return None  # replicated inference output: worker 0's copy is enough
             return out.cpu()
         finally:
-            transport.flush()  # RPC pushes
+            transport.flush(self.rt)  # RPC pushes
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         return prefetch.take_or_read(read, self.rt.timeout, self.rt.stats)

@@ -163,7 +163,7 @@ def adjoint(world) -> dict:
     from bigconv.executors import ShardExecutor
     from bigconv.geometry import Window, shard_box, all_coords
     from bigconv.sharding import mark
-    from bigconv.transport import WorkerRuntime, set_thread_runtime
+    from bigconv.transport import WorkerRuntime
     from bigconv.transport.p2p import P2PLink
     import torch.distributed as dist
 
@@ -175,12 +175,8 @@ def adjoint(world) -> dict:
     g = torch.Generator().manual_seed(100 + world.rank)
     x = torch.randn(2, 3, *(b - a for a, b in box), generator=g, dtype=torch.float64, requires_grad=True)
     windows = [Window(5, 1, 1, 2, 2), Window(3, 1, 1, 1, 1)]
-    set_thread_runtime(rt)
-    try:
-        # The exchange alone, called as a rule calls it (outside the mode's dispatch).
-        fx = ShardExecutor(grid, 1).gather_window(mark(x, shape), shape, windows)
-    finally:
-        set_thread_runtime(None)
+    # The exchange alone, called as a rule calls it (outside the mode's dispatch).
+    fx = ShardExecutor(grid, 1, rt).gather_window(mark(x, shape), shape, windows)
     y = torch.randn(fx.shape, generator=g, dtype=torch.float64)
     (fty,) = torch.autograd.grad(fx, x, y)
     sums = torch.stack([(fx.detach() * y).sum(), (x.detach() * fty).sum()])

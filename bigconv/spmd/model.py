@@ -22,19 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import checks, losses, saving
+from .. import checks, saving
 from ..data import prefetch
 from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
-from ..dry_run import meta_copy
-from ..executors import ShardExecutor, join_shards
-from ..geometry import balanced_bounds, shard_box, validate_grid
-from ..parallel import ParallelModel
+from ..executors import join_shards
+from ..geometry import balanced_bounds, coord_of, shard_box, validate_grid
+from ..planning import Plan, Planner
 from ..replica import rng_state, set_rng_state
-from ..sharding import ModulePath, ShardMode, mark
-from ..support import check_modules, conv_dims
-from ..transport import WorkerRuntime, set_thread_runtime
+from ..shard_step import ShardEngine
+from ..support import check_modules
+from ..transport import WorkerRuntime, new_stats
 from ..transport.p2p import P2PLink
-from .buckets import GradBuckets
 from .world import SpmdWorld
 
 
@@ -55,40 +53,47 @@ def check_layout(world: SpmdWorld, grid, replicas) -> tuple[tuple[int, ...] | No
     return validate_grid(grid, spatial), spatial
 
 
-class SpmdModel(ParallelModel):
+class SpmdModel:
+    """A model trained by every rank of an SPMD world, each on its own shard (see the module doc)."""
+
     def __init__(self, model: nn.Module, world: SpmdWorld, grid, replicas: int = 1, check_finite: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
         world.check_usable()
-        self.grid, self.spatial_workers = check_layout(world, grid, replicas)
+        grid, spatial = check_layout(world, grid, replicas)
         check_modules(model)
-        self.world, self.replicas = world, replicas
-        self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
+        self.planner = Planner(model, grid, spatial, check_finite)
+        self.world, self.replicas, self.grid = world, replicas, grid
         self.training = model.training
-        self.check_finite = check_finite
-        self._meta = meta_copy(model)
-        self._plans = {}
         self._call = 0
         self.steps = 0
-        self.has_optimizer, self.optimizer_class, self.opt = False, None, None
+        self.optimizer_class: str | None = None
         self.mesh = world.mesh(replicas)
-        self.model = model.to(world.device)
-        self.path = ModulePath(self.model)
-        self.stats = {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0, "read_s": 0.0, "read_bytes": 0,
-                      "prefetch_read_s": 0.0}
-        self.rt = WorkerRuntime(index=self.mesh.shard, workers=self.mesh.spatial, device=world.device,
-                                timeout=world.timeout, stats=self.stats)
-        self.rt.link = P2PLink(self.mesh.spatial_group, self.mesh.spatial_ranks, self.mesh.shard, world.timeout,
-                               self.stats)
+        self.stats = new_stats()
+        rt = WorkerRuntime(index=self.mesh.shard, workers=self.mesh.spatial, device=world.device,
+                           timeout=world.timeout, stats=self.stats)
+        rt.link = P2PLink(self.mesh.spatial_group, self.mesh.spatial_ranks, self.mesh.shard, world.timeout,
+                          self.stats)
         if replicas > 1:
-            self.rt.replica, self.rt.replicas = self.mesh.replica, replicas
-            self.rt.replica_link = P2PLink(self.mesh.replica_group, self.mesh.replica_ranks, self.mesh.replica,
-                                           world.timeout, self.stats)
+            rt.replica, rt.replicas = self.mesh.replica, replicas
+            rt.replica_link = P2PLink(self.mesh.replica_group, self.mesh.replica_ranks, self.mesh.replica,
+                                      world.timeout, self.stats)
+        self.engine = ShardEngine(model, rt)
+        self.model = self.engine.model
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(t.data, src=0)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.buckets = GradBuckets(params, None, world.timeout)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.engine.opt is not None
+
+    @property
+    def opt(self):
+        return self.engine.opt
+
+    def plan(self, x) -> Plan:
+        return self.planner.plan(x, self.training)
 
     # -- this rank's part of a batch ----------------------------------------------------------------
     def _my_items(self, n: int) -> tuple[int, int]:
@@ -98,8 +103,6 @@ class SpmdModel(ParallelModel):
         return balanced_bounds(n, self.replicas)[self.mesh.replica]
 
     def _coord(self, grid):
-        from ..geometry import coord_of
-
         return coord_of(self.mesh.shard, grid)
 
     def _input_read(self, plan, x) -> ShardRead:
@@ -132,16 +135,7 @@ class SpmdModel(ParallelModel):
 
     def _forward(self, plan, x_local: torch.Tensor, grad: bool) -> torch.Tensor:
         self._call += 1
-        self.path.stack.clear()
-        x = mark(x_local.to(self.world.device), plan.in_shape)
-        if grad == "input":
-            self.last_input = x.requires_grad_(True)
-        set_thread_runtime(self.rt)
-        try:
-            with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(plan.grid, self._call), self.path):
-                return self.model(x)
-        finally:
-            set_thread_runtime(None)
+        return self.engine.forward(plan.grid, plan.in_shape, x_local, grad, self._call)
 
     def _whole_batch_head(self, out: torch.Tensor) -> torch.Tensor:
         """The replicated outputs of every replica, joined in batch order; only this replica's part
@@ -156,21 +150,16 @@ class SpmdModel(ParallelModel):
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
         checks.check_optimizer_class(cls)
-        self.opt = cls(self.model.parameters(), **kwargs)
-        self.has_optimizer, self.optimizer_class = True, saving.class_name(cls)
+        self.engine.make_optimizer(cls, kwargs)
+        self.optimizer_class = saving.class_name(cls)
 
     def _loss_and_backward(self, plan, x, y, loss_fn, grad) -> torch.Tensor:
-        dense = self._per_shard_loss(plan, x, y, loss_fn)
+        dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
         out = self._forward(plan, self._local_input(plan, x), grad)
         if dense:
-            target = self._local_target(plan, y, loss_fn).to(out.device)
-            num, den = losses.shard_parts(loss_fn.to(out.device), out, target)
-            sums = torch.stack([num.detach().double().reshape(()),
-                                torch.tensor(float(den or 0.0), dtype=torch.float64, device=out.device)])
-            dist.all_reduce(sums)
-            total = sums[1].item() if den is not None else None
-            (num / total if total is not None else num).backward()
-            return sums[0] / total if total is not None else sums[0]
+            part, loss = self.engine.dense_loss(loss_fn, out, self._local_target(plan, y, loss_fn))
+            part.backward()
+            return loss
         dense_map = plan.out_shape is not None
         # A loss not computed per shard sees the whole batch's map on every rank, only this rank's shard
         # carrying gradient: every rank backpropagates the same loss, so the sum over ranks is the
@@ -189,31 +178,28 @@ class SpmdModel(ParallelModel):
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x)
-        self.opt.zero_grad(set_to_none=True)
-        self.buckets.arm()
+        self.engine.begin()
         try:
             loss = self._loss_and_backward(plan, x, y, loss_fn, True)
         except BaseException:
-            self.buckets.reset()
+            self.engine.abort()
             raise
-        self.buckets.finish()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.engine.end(step=True)
         self.steps += 1
         return float(loss)
 
     def gradients(self, x, y, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the whole input gradient and the summed parameter gradients, on every rank."""
         plan = self.plan(x)
-        self.model.zero_grad(set_to_none=True)
-        self.buckets.arm()
-        loss = self._loss_and_backward(plan, x, y, loss_fn, "input")
-        self.buckets.finish()
-        params = {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
-        self.model.zero_grad(set_to_none=True)
-        grad = self.last_input.grad
-        input_grad = self._gather_dense(plan, grad.detach() if grad is not None else torch.zeros_like(self.last_input))
-        return float(loss), input_grad, params
+        self.engine.begin()
+        try:
+            loss = self._loss_and_backward(plan, x, y, loss_fn, "input")
+        except BaseException:
+            self.engine.abort()
+            raise
+        self.engine.end(step=False)
+        params = self.engine.param_grads()
+        return float(loss), self._gather_dense(plan, self.engine.input_grad()), params
 
     def _gather_dense(self, plan, local: torch.Tensor, grid=None, live: bool = False) -> torch.Tensor:
         """Every rank's shard, joined into the whole batch on every rank (on the CPU); with ``live``, on
@@ -273,7 +259,7 @@ class SpmdModel(ParallelModel):
 
     # -- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return self.engine.state_dict()
 
     def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
         parts = [None] * self.world.size
@@ -285,8 +271,7 @@ class SpmdModel(ParallelModel):
         rngs = [None] * self.world.size
         dist.all_gather_object(rngs, rng_state(torch.device("cpu")))
         if self.world.rank == 0:
-            opt = saving.to_cpu(self.opt.state_dict()) if self.opt is not None else None
-            ck = saving.checkpoint(self.state_dict(), opt, self.optimizer_class, self.steps, rngs, self.world.size,
+            ck = saving.checkpoint(self.state_dict(), self.engine.optimizer_state(), self.optimizer_class, self.steps, rngs, self.world.size,
                                    grid=list(self.grid) if self.grid else None)
             saving.atomic_save(ck, path)
         self.world.barrier()
@@ -295,12 +280,8 @@ class SpmdModel(ParallelModel):
     def load(self, path) -> "SpmdModel":
         path = str(path)
         ck = saving.read(path)
-        saving.check_model_state(ck["model"], self._meta.state_dict(), path)
-        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"),
-                                     [len(list(self._meta.parameters()))], self.optimizer_class, path)
-        self.model.load_state_dict(ck["model"])
-        if ck.get("optimizer") is not None:
-            self.opt.load_state_dict(ck["optimizer"])
+        self.planner.check_checkpoint(ck, self.optimizer_class, path)
+        self.engine.load(ck["model"], ck.get("optimizer"))
         if ck.get("workers") == self.world.size:
             set_rng_state(ck["rng"]["workers"][self.world.rank], torch.device("cpu"))
         self.steps = int(ck.get("step", 0))
@@ -310,4 +291,7 @@ class SpmdModel(ParallelModel):
         self.training = mode
         self.model.train(mode)
         return self
+
+    def eval(self) -> "SpmdModel":
+        return self.train(False)
 

@@ -68,6 +68,12 @@ class Mailbox:
                 del self._items[key]
 
 
+def new_stats() -> dict:
+    """A shard's traffic and read counters, from zero."""
+    return {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0, "read_s": 0.0, "read_bytes": 0,
+            "prefetch_read_s": 0.0}
+
+
 @dataclass
 class WorkerRuntime:
     """This process's identity and transport; one per worker process."""
@@ -79,8 +85,7 @@ class WorkerRuntime:
     mailbox: Mailbox = field(default_factory=Mailbox)
     pending: list = field(default_factory=list)
     models: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=lambda: {"messages": 0, "bytes": 0, "recv_bytes": 0, "wait_s": 0.0,
-                                                 "read_s": 0.0, "read_bytes": 0, "prefetch_read_s": 0.0})
+    stats: dict = field(default_factory=lambda: new_stats())
     send: Callable[[int, Hashable, torch.Tensor], None] | None = None
     """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
     link: Any = None
@@ -92,19 +97,13 @@ class WorkerRuntime:
 
 
 _RUNTIME: WorkerRuntime | None = None
-_THREAD = threading.local()
 
 
 def runtime() -> WorkerRuntime:
-    """This thread's runtime (a shard of the driver's dry run), else this worker process's."""
-    rt = getattr(_THREAD, "runtime", None) or _RUNTIME
-    if rt is None:
+    """This worker process's runtime (for the RPC entry points, which only a process can hold)."""
+    if _RUNTIME is None:
         raise RuntimeError("this process is not a bigconv worker")
-    return rt
-
-
-def set_thread_runtime(rt: WorkerRuntime | None) -> None:
-    _THREAD.runtime = rt
+    return _RUNTIME
 
 
 def set_runtime(rt: WorkerRuntime | None) -> None:
@@ -149,8 +148,8 @@ def link_of(rt: WorkerRuntime) -> Link:
     return RpcLink(rt)
 
 
-def flush() -> None:
-    """Wait for this worker's RPC pushes to be acknowledged (see ``rpc.flush``)."""
+def flush(rt: WorkerRuntime) -> None:
+    """Wait for ``rt``'s RPC pushes to be acknowledged (see ``rpc.flush``)."""
     from .rpc import flush as rpc_flush
 
-    rpc_flush()
+    rpc_flush(rt)

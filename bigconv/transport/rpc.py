@@ -22,9 +22,8 @@ def _deliver(key: Hashable, tensor: torch.Tensor) -> None:
     runtime().mailbox.put(key, tensor)
 
 
-def push(dst: int, key: Hashable, tensor: torch.Tensor) -> None:
+def push(rt: WorkerRuntime, dst: int, key: Hashable, tensor: torch.Tensor) -> None:
     """Send ``tensor`` to worker ``dst`` without waiting; errors surface in ``flush``."""
-    rt = runtime()
     if rt.send is not None:
         rt.send(dst, key, tensor)
         return
@@ -38,8 +37,7 @@ def push(dst: int, key: Hashable, tensor: torch.Tensor) -> None:
     rt.pending.append((dst, rpc.rpc_async(worker_name(dst), _deliver, args=(key, payload), timeout=rt.timeout)))
 
 
-def take(src: int, key: Hashable, describe: str) -> torch.Tensor:
-    rt = runtime()
+def take(rt: WorkerRuntime, src: int, key: Hashable, describe: str) -> torch.Tensor:
     start = time.perf_counter()
     tensor = rt.mailbox.take(key, rt.timeout, f"{describe} from {worker_name(src)} (on {worker_name(rt.index)})")
     rt.stats["wait_s"] += time.perf_counter() - start
@@ -47,9 +45,8 @@ def take(src: int, key: Hashable, describe: str) -> torch.Tensor:
     return tensor.to(rt.device)
 
 
-def flush() -> None:
-    """Wait for this worker's pushes to be acknowledged; name the receiver of any that failed."""
-    rt = runtime()
+def flush(rt: WorkerRuntime) -> None:
+    """Wait for ``rt``'s pushes to be acknowledged; name the receiver of any that failed."""
     pending, rt.pending = rt.pending, []
     for dst, fut in pending:
         try:
@@ -105,9 +102,9 @@ class RpcLink:
         if sends:
             x, *pieces = SendPieces.apply(x, *(FULL if index is None else index for _, index in sends))
             for (dst, number), piece in zip(numbered([d for d, _ in sends]), pieces):
-                push(dst, key + (self.rt.index, number), piece)
+                push(self.rt, dst, key + (self.rt.index, number), piece)
         peers = numbered([s for s, _ in recvs])
         return x, _Pending([key + (src, number) for src, number in peers], [src for src, _ in peers])
 
     def finish(self, pending: _Pending, describe: str) -> list[torch.Tensor]:
-        return [take(src, k, describe) for src, k in zip(pending.sources, pending.keys)]
+        return [take(self.rt, src, k, describe) for src, k in zip(pending.sources, pending.keys)]

@@ -1,0 +1,107 @@
+"""What both front ends check before any remote work: the input, the grid, a dry run, the targets.
+
+A ``Planner`` holds a meta copy of the model (no memory) and, per input shape, dtype and mode, the
+``Plan`` its dry run found: the grid and the output's shape. The driver mode and the SPMD mode each
+hold one, so bad input raises the same ``ValueError`` in both, before a message is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from . import checks, losses, saving
+from .data.sources import SourceBatch, is_source_batch, target_stand_in
+from .dry_run import dry_run, meta_copy
+from .geometry import choose_grid
+from .sharding import UnsupportedOperation
+from .support import conv_dims
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a forward over one input shape looks like."""
+
+    grid: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...] | None
+    """Global spatial shape of a sharded output; None when the output is replicated (a head)."""
+    out_full_shape: tuple[int, ...]
+
+
+class Planner:
+    def __init__(self, model: nn.Module, grid: tuple[int, ...] | None, spatial_workers: int,
+                 check_finite: bool) -> None:
+        """``grid``: validated already, or None to balance ``spatial_workers`` shards per input shape."""
+        self.grid = grid
+        self.spatial_workers = spatial_workers
+        self.spatial_dims = len(grid) if grid else conv_dims(model)
+        self.check_finite = check_finite
+        self.meta = meta_copy(model)
+        self._plans: dict[tuple, Plan] = {}
+
+    def plan(self, x, training: bool) -> Plan:
+        """``x``: the batch as a tensor (N, C, *spatial), or as a list of image sources
+        (``bigconv.data``), one per item, of which each worker reads only its own box."""
+        if is_source_batch(x):
+            x = SourceBatch(x)
+        else:
+            checks.check_input(x, self.check_finite)
+        key = (tuple(x.shape), x.dtype, training)
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(x, training)
+        return self._plans[key]
+
+    def _make_plan(self, x, training: bool) -> Plan:
+        d = self.spatial_dims
+        if d is None:
+            d = x.dim() - 2
+        if x.dim() != d + 2:
+            raise ValueError(
+                f"input has shape {tuple(x.shape)} but this model expects (N, C, *{d} spatial dims), "
+                f"i.e. {d + 2} dims; add a batch dim with x.unsqueeze(0) or check the grid"
+            )
+        shape = tuple(x.shape[2:])
+        grid = self.grid or choose_grid(shape, self.spatial_workers)
+        for axis, (n, g) in enumerate(zip(shape, grid)):
+            if n < g:
+                raise ValueError(
+                    f"the image has {n} positions along spatial dim {axis} but the grid {grid} cuts it into {g} "
+                    f"shards; use at most {n} shards on that axis"
+                )
+        try:
+            result = dry_run(self.meta, grid, tuple(x.shape), x.dtype, training)
+        except UnsupportedOperation:
+            raise
+        except (RuntimeError, TypeError, IndexError, NotImplementedError) as exc:
+            raise ValueError(
+                f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
+                f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return Plan(grid, shape, result.out_shape, result.out_full_shape)
+
+    @staticmethod
+    def per_shard_loss(plan: Plan, x, y, loss_fn: Callable) -> bool:
+        """Check the targets (before remote work); whether the loss is computed shard by shard."""
+        y_sources = is_source_batch(y)
+        y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
+        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
+        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
+            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
+        if y_sources and not dense:
+            raise ValueError(
+                "targets given as sources are read shard by shard, which needs a dense output and a loss computed "
+                "per shard (MSELoss, L1Loss, BCEWithLogitsLoss, CrossEntropyLoss with mean or sum reduction) and "
+                f"targets of the output's shape {plan.out_full_shape}; otherwise pass y as a tensor"
+            )
+        return dense
+
+    def check_checkpoint(self, ck: dict, optimizer_class: str | None, path: str) -> None:
+        """A checkpoint fits this model and its optimizer (before anything changes)."""
+        saving.check_model_state(ck["model"], self.meta.state_dict(), path)
+        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"),
+                                     [len(list(self.meta.parameters()))], optimizer_class, path)

@@ -1,0 +1,110 @@
+"""One shard's model and the step every front end runs on it.
+
+A driver's worker (the default ``p2p`` transport) and an SPMD rank hold the same thing: the whole
+(small) model, a shard of the (large) image, a point-to-point link to the other shards, gradient
+buckets that sum replicated weights' gradients while backward runs, and a replicated optimizer. This
+module is that thing. The front ends only decide where the input, the targets and the loss come from.
+
+- ``forward`` runs the model on this shard under the op rules, halos by the link inside autograd.
+- ``dense_loss`` is this shard's part of a loss computed shard by shard (``bigconv.losses``), summed
+  over every rank: ``sum(numerators) / sum(denominators)``.
+- ``begin`` / ``end`` bracket a backward whose gradients are summed over the gradient group (every
+  rank, spatial shards and replicas alike: no DDP averaging), then step the optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import losses, saving
+from .executors import ShardExecutor
+from .sharding import ModulePath, ShardMode, mark
+from .spmd.buckets import GradBuckets
+from .transport import WorkerRuntime
+
+
+class ShardEngine:
+    def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None) -> None:
+        """``rt`` carries this shard's index, device, timeout and links; ``grad_group`` the ranks whose
+        gradients are summed (None: the default group)."""
+        self.rt = rt
+        self.model = model.to(rt.device)
+        self.path = ModulePath(self.model)
+        self.opt: torch.optim.Optimizer | None = None
+        self.grad_group = grad_group
+        self._buckets: GradBuckets | None = None
+        self.last_input: torch.Tensor | None = None
+
+    @property
+    def buckets(self) -> GradBuckets:
+        if self._buckets is None:  # hooks only on a model that trains on this engine
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self._buckets = GradBuckets(params, self.grad_group, self.rt.timeout)
+        return self._buckets
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, grid: tuple[int, ...], in_shape: tuple[int, ...], x_local: torch.Tensor, grad, call: int):
+        """The model on this shard; ``grad="input"`` keeps the input shard as a leaf to read its gradient."""
+        self.path.stack.clear()
+        x = mark(x_local.to(self.rt.device), in_shape)
+        if grad == "input":
+            self.last_input = x.requires_grad_(True)
+        with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call, self.rt), self.path):
+            return self.model(x)
+
+    def dense_loss(self, loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor, group=None):
+        """This shard's part of a loss computed per shard, scaled by the denominator summed over
+        ``group``: (what to backpropagate here, the whole loss)."""
+        num, den = losses.shard_parts(loss_fn.to(out.device), out, target.to(out.device))
+        sums = torch.stack([num.detach().double().reshape(()),
+                            torch.tensor(float(den or 0.0), dtype=torch.float64, device=out.device)])
+        dist.all_reduce(sums, group=group)
+        if den is None:
+            return num, sums[0]
+        total = sums[1].item()
+        return num / total, sums[0] / total
+
+    # -- a training step ------------------------------------------------------------------------------
+    def make_optimizer(self, cls: type, kwargs: dict) -> None:
+        self.opt = cls(self.model.parameters(), **kwargs)
+
+    def begin(self) -> None:
+        """Before a backward whose gradients are to be summed: clear them and arm the buckets."""
+        self.model.zero_grad(set_to_none=True)
+        self.buckets.arm()
+
+    def abort(self) -> None:
+        self.buckets.reset()
+
+    def end(self, step: bool) -> None:
+        """Wait for the gradient sums; with ``step``, take the optimizer step and clear them."""
+        self.buckets.finish()
+        if step:
+            if self.opt is None:
+                raise RuntimeError("no optimizer: call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def param_grads(self) -> dict[str, torch.Tensor]:
+        """The summed parameter gradients (after ``end(step=False)``), on the CPU; then cleared."""
+        grads = {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.model.zero_grad(set_to_none=True)
+        return grads
+
+    def input_grad(self) -> torch.Tensor:
+        x = self.last_input
+        return (x.grad if x.grad is not None else torch.zeros_like(x)).detach().cpu()
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def optimizer_state(self) -> dict | None:
+        return saving.to_cpu(self.opt.state_dict()) if self.opt is not None else None
+
+    def load(self, model_state: dict, optimizer_state: dict | None) -> None:
+        self.model.load_state_dict(model_state)
+        if optimizer_state is not None:
+            self.opt.load_state_dict(optimizer_state)
