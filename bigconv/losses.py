@@ -57,8 +57,12 @@ def check_labels_here(loss_fn: nn.Module, out: torch.Tensor, target: torch.Tenso
     """Class labels read on a worker (target sources) lie in [0, classes), or a clear ValueError."""
     bad = labels_out_of_range(loss_fn, target, out.shape[1])
     if bad.numel():
-        raise ValueError(f"the label maps hold {int(bad[0])}, outside [0, {out.shape[1]}) for an output with "
-                         f"{out.shape[1]} classes; fix the label files or give the model as many outputs as classes")
+        raise ValueError(label_message(int(bad[0]), out.shape[1]))
+
+
+def label_message(label: int, classes: int) -> str:
+    return (f"the label maps hold {label}, outside [0, {classes}) for an output with {classes} classes; fix the "
+            "label files or give the model as many outputs as classes")
 
 
 def shard_parts(loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float | None]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,27 +16,20 @@ import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 from . import checks, losses, saving, worker
-from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch, target_stand_in
-from .dry_run import dry_run, meta_copy
+from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch
 from .executors import join_shards, split_shards
-from .geometry import choose_grid, shard_box, all_coords, validate_grid
-from .replica import to_payload
-from .sharding import UnsupportedOperation
-from .support import check_modules, conv_dims
+from .geometry import shard_box, all_coords, validate_grid
+from .planning import Plan, Planner
+from .replica import TRANSPORTS, to_payload
+from .support import check_modules
+from .transport import WorkerFailure
 from .world import World
 
+P2P_SETTLE_S = 5.0
+"""After a worker fails on the p2p transport, how long the others may take to finish before the World
+counts as broken."""
+
 _model_ids = itertools.count()
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a forward over one input shape looks like."""
-
-    grid: tuple[int, ...]
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...] | None
-    """Global spatial shape of a sharded output; None when the output is replicated (a head)."""
-    out_full_shape: tuple[int, ...]
 
 
 class _PickFirst(torch.autograd.Function):
@@ -60,21 +52,20 @@ class _PickFirst(torch.autograd.Function):
 class ParallelModel:
     """A model whose forward and training run on the workers of a ``World``."""
 
-    def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None, check_finite: bool = False) -> None:
+    def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None, check_finite: bool = False,
+                 transport: str = "p2p") -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(world, World):
             raise ValueError(f"parallelize expects a bigconv.World, got {type(world).__name__}")
+        check_transport(transport)
         world.check_usable()
         check_modules(model)
         self.world = world
-        self.spatial_workers = world.workers
+        self.transport = transport
         self.grid = validate_grid(grid, world.workers) if grid is not None else None
-        self.spatial_dims = len(self.grid) if self.grid else conv_dims(model)
+        self.planner = Planner(model, self.grid, world.workers, check_finite)
         self.training = model.training
-        self.check_finite = check_finite
-        self._meta = meta_copy(model)
-        self._plans: dict[tuple, Plan] = {}
         self._calls = itertools.count(1)
         self.id = next(_model_ids)
         self.has_optimizer = False
@@ -83,50 +74,13 @@ class ParallelModel:
         """Optimizer steps taken (restored by ``load``)."""
         payload = to_payload(model)
         world.drop_retired_models()  # before this one takes their memory
-        world.call(worker.install, [(self.id, payload)] * world.workers, "installing the model")
+        world.call(worker.install, [(self.id, payload, transport)] * world.workers, "installing the model")
         weakref.finalize(self, world.retire_model, self.id)
 
-    # -- planning (driver only, before remote work) ---------------------------------------------
     def plan(self, x) -> Plan:
         """``x``: the batch as a tensor (N, C, *spatial), or as a list of image sources
         (``bigconv.data``), one per item, of which each worker reads only its own box."""
-        if is_source_batch(x):
-            x = SourceBatch(x)
-        else:
-            checks.check_input(x, self.check_finite)
-        key = (tuple(x.shape), x.dtype, self.training)
-        if key not in self._plans:
-            self._plans[key] = self._make_plan(x)
-        return self._plans[key]
-
-    def _make_plan(self, x: torch.Tensor) -> Plan:
-        d = self.spatial_dims
-        if d is None:
-            d = x.dim() - 2
-        if x.dim() != d + 2:
-            raise ValueError(
-                f"input has shape {tuple(x.shape)} but this model expects (N, C, *{d} spatial dims), "
-                f"i.e. {d + 2} dims; add a batch dim with x.unsqueeze(0) or check the grid"
-            )
-        shape = tuple(x.shape[2:])
-        grid = self.grid or choose_grid(shape, self.spatial_workers)
-        for axis, (n, g) in enumerate(zip(shape, grid)):
-            if n < g:
-                raise ValueError(
-                    f"the image has {n} positions along spatial dim {axis} but the grid {grid} cuts it into {g} "
-                    f"shards; use at most {n} shards on that axis"
-                )
-        try:
-            result = dry_run(self._meta, grid, tuple(x.shape), x.dtype, self.training)
-        except UnsupportedOperation:
-            raise
-        except (RuntimeError, TypeError, IndexError, NotImplementedError) as exc:
-            raise ValueError(
-                f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
-                f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        return Plan(grid, shape, result.out_shape, result.out_full_shape)
+        return self.planner.plan(x, self.training)
 
     # -- training API -----------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
@@ -141,35 +95,49 @@ class ParallelModel:
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x)
-        dense = self._per_shard_loss(plan, x, y, loss_fn)
+        dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
         args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
+        call = args[0][0]
+        if self.transport == "rpc":
+            loss = self._rpc_step(plan, args, y, loss_fn, dense)
+        elif dense:  # one message per worker: the shard-step of an SPMD rank
+            loss = self._wait(self._launch(worker.dense_step, [a[:6] + (True,) for a in args]), f"step {call}")[0]
+        else:
+            loss, _ = self._loss_on_driver(plan, args, y, loss_fn, gradients=False)
+        self.steps += 1
+        return float(loss)
+
+    def _rpc_step(self, plan: Plan, args: list[tuple], y, loss_fn: Callable, dense: bool) -> torch.Tensor:
+        """The ``rpc`` transport: distributed autograd from the driver, then the gradient sum and step."""
+        call = args[0][0]
         with self.world.autograd_context() as ctx:
-            results = self.world.wait(self._launch(args), f"forward of step {args[0][0]}")
+            results = self._wait(self._launch(worker.forward, args), f"forward of step {call}")
             if dense:
                 loss = losses.combine(results)
             else:
-                loss = loss_fn(self._assemble(plan, results, grad=True), y)
-            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-            self.world.backward(ctx, loss, f"backward of step {args[0][0]}")
-            self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {args[0][0]}")
-        self.steps += 1
-        return float(loss.detach())
+                loss = check_scalar(loss_fn(self._assemble(plan, results, grad=True), y))
+            self.world.backward(ctx, loss, f"backward of step {call}")
+            self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {call}")
+        return loss.detach()
 
-    def _per_shard_loss(self, plan: Plan, x, y, loss_fn: Callable) -> bool:
-        """Check the targets (before remote work); whether the loss is computed shard by shard."""
-        y_sources = is_source_batch(y)
-        y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
-        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
-        dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
-            y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
-        if y_sources and not dense:
-            raise ValueError(
-                "targets given as sources are read shard by shard, which needs a dense output and a loss computed "
-                "per shard (MSELoss, L1Loss, BCEWithLogitsLoss, CrossEntropyLoss with mean or sum reduction) and "
-                f"targets of the output's shape {plan.out_full_shape}; otherwise pass y as a tensor"
-            )
-        return dense
+    def _loss_on_driver(self, plan: Plan, args: list[tuple], y, loss_fn: Callable, gradients: bool):
+        """The ``p2p`` transport with a loss the driver computes on the whole output: the workers keep
+        their forward; the driver sends each the gradient of its part of the output; they run backward,
+        the gradient sum and the step (or, with ``gradients``, return them). Two messages per worker."""
+        call, grad = args[0][0], args[0][6]
+        outs = self._wait(self._launch(worker.keep_forward, [a[:4] + (grad,) for a in args]),
+                          f"forward of step {call}")
+        leaves = [o.requires_grad_(True) for o in (outs if plan.out_shape is not None else outs[:1])]
+        whole = join_shards(leaves, plan.grid) if plan.out_shape is not None else leaves[0]
+        loss = check_scalar(loss_fn(whole, y))
+        if loss.requires_grad:
+            grads = list(torch.autograd.grad(loss, leaves, allow_unused=True))
+        else:
+            grads = [None] * len(leaves)
+        grads += [None] * (self.world.workers - len(grads))  # the copies of a replicated head count once
+        what = f"backward of call {call}" if gradients else f"backward and optimizer step {call}"
+        results = self._wait(self._launch(worker.backward, [(g, not gradients, gradients) for g in grads]), what)
+        return loss.detach(), results
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the gradient of the input and the summed parameter gradients, without a step.
@@ -180,8 +148,11 @@ class ParallelModel:
         plan = self.plan(x)
         checks.check_target(x, y, loss_fn, plan.out_full_shape)
         args = self._shard_args(plan, x, None, None, grad="input")
+        if self.transport == "p2p":
+            loss, parts = self._loss_on_driver(plan, args, y, loss_fn, gradients=True)
+            return float(loss), join_shards([g for g, _ in parts], plan.grid), parts[0][1]
         with self.world.autograd_context() as ctx:
-            results = self.world.wait(self._launch(args), f"forward of call {args[0][0]}")
+            results = self._wait(self._launch(worker.forward, args), f"forward of call {args[0][0]}")
             loss = loss_fn(self._assemble(plan, results, grad=True), y)
             self.world.backward(ctx, loss, f"backward of call {args[0][0]}")
             parts = self.world.call(worker.gradients, [(self.id, ctx)] * self.world.workers, "reading gradients")
@@ -196,7 +167,7 @@ class ParallelModel:
         """The full output on the driver, without gradients."""
         plan = self.plan(x)
         args = self._shard_args(plan, x, None, None, grad=False)
-        results = self.world.wait(self._launch(args), f"inference call {args[0][0]}")
+        results = self._wait(self._launch(worker.forward, args), f"inference call {args[0][0]}")
         return self._assemble(plan, results, grad=False)
 
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
@@ -218,7 +189,7 @@ class ParallelModel:
         futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], path, box),
                                  timeout=self.world.rpc_timeout)
                    for name, a, box in zip(self.world.names, args, boxes)]
-        self.world.wait(futures, f"prediction {args[0][0]}")
+        self._wait(futures, f"prediction {args[0][0]}")
         return path
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
@@ -253,10 +224,21 @@ class ParallelModel:
                   for c in all_coords(plan.grid)]
         return [(call, plan.grid, plan.in_shape, xi, loss_fn, yi, grad) for xi, yi in zip(xs, ys)]
 
-    def _launch(self, args: list[tuple]) -> list:
+    def _launch(self, fn: Callable, args: list[tuple]) -> list:
         self.world.check_usable()
-        return [rpc.rpc_async(name, worker.forward, args=(self.id, *a), timeout=self.world.rpc_timeout)
+        return [rpc.rpc_async(name, fn, args=(self.id, *a), timeout=self.world.rpc_timeout)
                 for name, a in zip(self.world.names, args)]
+
+    def _wait(self, futures: list, what: str) -> list:
+        """The workers' results; on the ``p2p`` transport a failure while other workers are still inside
+        an exchange or a collective breaks the World (their process group cannot be resumed)."""
+        try:
+            return self.world.wait(futures, what)
+        except WorkerFailure:
+            if self.transport == "p2p" and not self.world.broken and not self.world.settled(futures, P2P_SETTLE_S):
+                self.world.broken = (f"{what} failed while other workers were still exchanging with it; the workers' "
+                                     "process group cannot resume after that (p2p transport)")
+            raise
 
     def _assemble(self, plan: Plan, results: list, grad: bool) -> torch.Tensor:
         if plan.out_shape is not None:
@@ -295,10 +277,7 @@ class ParallelModel:
         """
         path = str(path)
         ck = saving.read(path)
-        saving.check_model_state(ck["model"], self._meta.state_dict(), path)
-        groups = [len(list(self._meta.parameters()))]
-        saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"), groups, self.optimizer_class,
-                                     path)
+        self.planner.check_checkpoint(ck, self.optimizer_class, path)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
         self.world.call(worker.load_checkpoint, [(self.id, ck["model"], ck.get("optimizer"), r) for r in rngs],
@@ -316,8 +295,21 @@ class ParallelModel:
         return self.train(False)
 
 
+def check_transport(transport) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))} ('p2p': halos and gradients "
+                         "point-to-point between the workers, the default; 'rpc': halos over RPC and distributed "
+                         f"autograd from the driver), got {transport!r}")
+
+
+def check_scalar(loss) -> torch.Tensor:
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+    return loss
+
+
 def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *, replicas: int = 1,
-                check_finite: bool = False) -> ParallelModel:
+                check_finite: bool = False, transport: str = "p2p") -> ParallelModel:
     """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input).
 
     On an SPMD world (``World.from_env(mode="spmd")``) every rank calls this with the same arguments;
@@ -326,12 +318,23 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
 
     ``check_finite``: refuse inputs holding NaN or inf before sending them (off by default: it reads
     the whole batch once more).
+
+    ``transport`` (driver mode): ``"p2p"`` (the default) runs each worker's step as an SPMD rank runs
+    it: halos point-to-point between the workers (on the GPU with NCCL), local autograd, gradients
+    summed in buckets during backward, one message from the driver per worker and step when the loss
+    is computed per shard (two otherwise). ``"rpc"`` pushes halos over RPC and runs backward by
+    distributed autograd from the driver, the design of the ORNL study; it stages CUDA halos
+    through host memory. Both train to the same weights. An SPMD world is always ``p2p``.
     """
     from .spmd import SpmdModel, SpmdWorld
 
+    check_transport(transport)
     if isinstance(world, SpmdWorld):
+        if transport != "p2p":
+            raise ValueError("an SPMD world exchanges halos point-to-point only; leave transport='p2p' "
+                             "(transport='rpc' is for the driver mode)")
         return SpmdModel(model, world, grid, replicas, check_finite)
     if replicas != 1:
         raise ValueError(f"replicas={replicas} needs an SPMD world (World.from_env(mode='spmd') under torchrun, "
                          "srun or jsrun); a driver-mode World has one replica")
-    return ParallelModel(model, world, grid, check_finite)
+    return ParallelModel(model, world, grid, check_finite, transport)

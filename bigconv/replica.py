@@ -1,26 +1,29 @@
-"""A worker's copy of the model: sharded forward, gradient allreduce and optimizer step.
+"""A driver's worker's copy of the model: its shard's engine, run on the transport the driver chose.
 
-Every worker holds the whole (small) model and a shard of the (large) image. Gradients are read
-from the driver's distributed-autograd context, **summed** over the gradient group (the loss of the
-image is the sum of shard contributions, so a replicated weight's gradient is the sum, not the
-DistributedDataParallel average), and applied by an optimizer that is replicated too, so every
-replica stays bit-for-bit equal.
+Every worker holds the whole (small) model and a shard of the (large) image. On the ``p2p`` transport
+a step is the SPMD shard-step (``bigconv.shard_step``): halos point-to-point in the workers' process
+group, local autograd, gradients summed in buckets while backward runs. On ``rpc`` the halos go over
+RPC and the gradients are read from the driver's distributed-autograd context. Either way they are
+**summed** over the workers (the loss of the image is the sum of shard contributions, so a replicated
+weight's gradient is the sum, not the DistributedDataParallel average) and applied by an optimizer
+that is replicated too, so every replica stays bit-for-bit equal.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 
-from . import losses, saving, transport
+from . import losses, transport
+from .saving import rng_state, set_rng_state
 from .data import prefetch
 from .data.sources import ShardRead
-from .executors import ShardExecutor
-from .sharding import ModulePath, ShardMode, global_shape, mark
+from .shard_step import ShardEngine
+from .sharding import global_shape
+from .transport import WorkerRuntime
+from .transport.p2p import P2PLink
 
 try:
     import cloudpickle
@@ -50,33 +53,51 @@ def _located(exc: Exception, where: str) -> Exception:
         return RuntimeError(f"{type(exc).__name__}: {message}")
 
 
+TRANSPORTS = ("p2p", "rpc")
+"""How a driver's workers exchange halos and gradients: ``p2p`` (the default: point-to-point in the
+workers' process group, local autograd, gradients summed in buckets during backward, as SPMD ranks
+do) or ``rpc`` (halos pushed over RPC, backward by distributed autograd from the driver)."""
+
+
 class Replica:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.rt = transport.runtime()
-        self.model = model.to(self.rt.device)
-        self.path = ModulePath(self.model)
-        self.optimizer: torch.optim.Optimizer | None = None
+    """This worker's copy of one model and its shard's engine, on the transport the driver chose."""
+
+    def __init__(self, model: torch.nn.Module, transport_name: str) -> None:
+        proc = transport.runtime()
+        if transport_name == "p2p":
+            rt = WorkerRuntime(index=proc.index, workers=proc.workers, device=proc.device, timeout=proc.timeout,
+                               stats=proc.stats)
+            rt.link = P2PLink(None, range(proc.workers), proc.index, proc.timeout, proc.stats)
+        else:
+            rt = proc  # its mailbox takes the RPC pushes
+        self.transport = transport_name
+        self.rt = rt
+        self.engine = ShardEngine(model, rt)
+        self.model = self.engine.model
+        self.kept: torch.Tensor | None = None
+        """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
 
     @classmethod
-    def from_payload(cls, payload: bytes) -> "Replica":
-        return cls(pickle.loads(payload))
+    def from_payload(cls, payload: bytes, transport_name: str) -> "Replica":
+        return cls(pickle.loads(payload), transport_name)
+
+    def _forward(self, call: int, grid, shape, x, grad) -> torch.Tensor:
+        if self.transport == "rpc":
+            self.rt.mailbox.drop_calls_before(call)
+        if isinstance(x, ShardRead):  # this worker's box, read from the file here (or already, ahead)
+            x = self._read(x)
+        try:
+            return self.engine.forward(grid, shape, x, grad, call)
+        except Exception as exc:
+            raise _located(exc, f"{self.engine.path.current} on {transport.worker_name(self.rt.index)}") from exc
 
     def forward(self, call: int, grid: tuple[int, ...], shape: tuple[int, ...], x: torch.Tensor,
                 loss_fn=None, target: torch.Tensor | None = None, grad: bool = True):
-        """Run this shard; return the output shard, the replicated output, or (num, den) of the loss."""
-        self.rt.mailbox.drop_calls_before(call)
-        self.path.stack.clear()
-        if isinstance(x, ShardRead):  # this worker's box, read from the file here (or already, ahead)
-            x = self._read(x)
-        x = mark(x.to(self.rt.device), shape)
-        if grad == "input":  # keep the input shard as a leaf, to read its gradient afterwards
-            self.last_input = x.requires_grad_(True)
+        """Run this shard; return the output shard, the replicated output, or (num, den) of the loss.
+
+        Inference on either transport, and the forward of a step on ``rpc``."""
         try:
-            with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call, self.rt), self.path):
-                try:
-                    out = self.model(x)
-                except Exception as exc:
-                    raise _located(exc, f"{self.path.current} on {transport.worker_name(self.rt.index)}") from exc
+            out = self._forward(call, grid, shape, x, grad)
             if loss_fn is not None:
                 if isinstance(target, ShardRead):  # this worker's box of the label maps
                     target = self._read(target)
@@ -87,7 +108,8 @@ class Replica:
                 return None  # replicated inference output: worker 0's copy is enough
             return out.cpu()
         finally:
-            transport.flush(self.rt)  # RPC pushes
+            if self.transport == "rpc":
+                transport.flush(self.rt)  # RPC pushes
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         return prefetch.take_or_read(read, self.rt.timeout, self.rt.stats)
@@ -100,67 +122,78 @@ class Replica:
         outputs.write(path, (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box), out.numpy())
 
     def make_optimizer(self, cls, kwargs: dict) -> None:
-        self.optimizer = cls(self.model.parameters(), **kwargs)
+        self.engine.make_optimizer(cls, kwargs)
 
+    # -- a step on the p2p transport: the shard-step of every SPMD rank -----------------------------------
+    def dense_step(self, call: int, grid, shape, x, loss_fn, target, step: bool) -> float:
+        """Forward, this shard's part of a per-shard loss, backward with the gradient sum, and (with
+        ``step``) the optimizer step: one message from the driver. Returns the whole loss."""
+        self.engine.begin()
+        try:
+            out = self._forward(call, grid, shape, x, True)
+            if isinstance(target, ShardRead):
+                target = self._read(target)
+                self.engine.check_labels(loss_fn, out, target)
+            part, loss = self.engine.dense_loss(loss_fn, out, target)
+            part.backward()
+        except BaseException:
+            self.engine.abort()
+            raise
+        self.engine.end(step)
+        return float(loss)
+
+    def keep_forward(self, call: int, grid, shape, x, grad) -> torch.Tensor | None:
+        """The forward of a step whose loss the driver computes: the output goes back to the driver and
+        stays here, for ``backward`` with its gradient."""
+        self.kept = None
+        out = self._forward(call, grid, shape, x, grad)
+        self.kept = out
+        return None if global_shape(out) is None and self.rt.index != 0 else out.detach().cpu()
+
+    def backward(self, grad: torch.Tensor | None, step: bool, gradients: bool = False):
+        """Backward from the kept output with the driver's gradient for it (None: zeros, for a shard
+        whose copy of a replicated head does not count), the gradient sum, and the optimizer step or,
+        with ``gradients``, (this shard's input gradient, the summed parameter gradients on worker 0)."""
+        out, self.kept = self.kept, None
+        if out is None:
+            raise RuntimeError("no forward is waiting for its backward (an earlier call failed); call again")
+        self.engine.begin()
+        try:
+            out.backward(grad.to(out.device) if grad is not None else torch.zeros_like(out))
+        except BaseException:
+            self.engine.abort()
+            raise
+        self.engine.end(step)
+        if gradients:
+            params = self.engine.param_grads()
+            return self.engine.input_grad(), (params if self.rt.index == 0 else None)
+        return None
+
+    # -- a step on the rpc transport: gradients from the driver's distributed-autograd context -----------
     def step(self, context_id: int) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("no optimizer: call net.optimizer(torch.optim.SGD, lr=...) before train_step")
-        grads = dist_autograd.get_gradients(context_id)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        present = torch.tensor([p in grads for p in params], dtype=torch.float32, device=self.rt.device)
-        dist.all_reduce(present)
-        buckets: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
-        for p in params:
-            buckets[(p.dtype, p.device)].append(p)
-        for group in buckets.values():
-            # One flat allreduce per dtype: few large messages beat many small ones.
-            flat = torch.cat([grads[p].reshape(-1) if p in grads else torch.zeros_like(p).reshape(-1) for p in group])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in group:
-                p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-        for p, seen in zip(params, present.tolist()):
-            if not seen:
-                p.grad = None  # unused everywhere: skip, as a single process would
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.buckets.reduce(dist_autograd.get_gradients(context_id))
+        self.engine.end(step=True)
 
     def gradients(self, context_id: int) -> tuple[torch.Tensor | None, dict]:
         """This shard's input gradient and this replica's (unreduced) parameter gradients."""
         grads = dist_autograd.get_gradients(context_id)
-        x = getattr(self, "last_input", None)
+        x = self.engine.last_input
         params = {name: grads[p].cpu() for name, p in self.model.named_parameters() if p in grads}
         return (grads[x].cpu() if x is not None and x in grads else None), params
 
+    # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return self.engine.state_dict()
 
     def checkpoint_state(self, full: bool) -> dict:
         """This replica's generator states; with ``full``, its weights and optimizer state as well."""
         state: dict = {"rng": rng_state(self.rt.device)}
         if full:
             state["model"] = self.state_dict()
-            state["optimizer"] = saving.to_cpu(self.optimizer.state_dict()) if self.optimizer is not None else None
+            state["optimizer"] = self.engine.optimizer_state()
         return state
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None) -> None:
-        self.model.load_state_dict(model_state)
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
+        self.engine.load(model_state, optimizer_state)
         if rng is not None:
             set_rng_state(rng, self.rt.device)
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-

@@ -21,7 +21,7 @@ import torch.nn as nn
 from . import losses, saving
 from .executors import ShardExecutor
 from .sharding import ModulePath, ShardMode, mark
-from .spmd.buckets import GradBuckets
+from .grad_buckets import GradBuckets
 from .transport import WorkerRuntime
 
 
@@ -65,6 +65,16 @@ class ShardEngine:
             return num, sums[0]
         total = sums[1].item()
         return num / total, sums[0] / total
+
+    def check_labels(self, loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor, group=None) -> None:
+        """Class labels read on this shard (target sources) lie in [0, classes). Checked with every rank
+        of ``group``, so all raise the same ValueError together and none is left waiting in the loss's sum."""
+        bad = losses.labels_out_of_range(loss_fn, target, out.shape[1])
+        found: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, int(bad[0]) if bad.numel() else None, group=group)
+        first = next((b for b in found if b is not None), None)
+        if first is not None:
+            raise ValueError(losses.label_message(first, out.shape[1]))
 
     # -- a training step ------------------------------------------------------------------------------
     def make_optimizer(self, cls: type, kwargs: dict) -> None:

@@ -220,7 +220,7 @@ def perturbed_copy(model: torch.nn.Module, x: torch.Tensor, seed: int) -> tuple[
 
 def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                      grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
-                     replicas: int = 1, tol: float | None = None, **opt_kwargs) -> dict:
+                     replicas: int = 1, tol: float | None = None, transport: str = "p2p", **opt_kwargs) -> dict:
     """Errors of the distributed forward, gradients, losses and weights after ``steps`` optimizer steps.
 
     Each of ``forward``, ``input_grad``, ``param_grads``, ``loss`` and ``weights`` is the worst
@@ -233,7 +233,8 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
 
     ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
     single process gets the same pixels read whole. On an SPMD world every rank calls this with the
-    same arguments (``replicas`` as in ``parallelize``) and gets the same answer.
+    same arguments (``replicas`` as in ``parallelize``) and gets the same answer. ``transport``: the
+    driver mode's, as in ``parallelize``.
     """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
     xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
@@ -243,7 +244,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     # The single-process runs first, on copies: parallelize leaves ``model`` to the workers.
     ref = train_single(copy.deepcopy(model), xt, yt, loss_fn, steps, optimizer, opt_kwargs)
     noise = measure_noise(model, xt, yt, loss_fn, ref, steps, optimizer, opt_kwargs)
-    net = parallelize(model, world, grid=grid, replicas=replicas)
+    net = parallelize(model, world, grid=grid, replicas=replicas, transport=transport)
     out = net(x)
     _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
     net.optimizer(optimizer, **opt_kwargs)

@@ -81,10 +81,10 @@ def release() -> None:
 
 
 # -- RPC entry points ------------------------------------------------------------------------------
-def install(model_id: int, payload: bytes) -> None:
+def install(model_id: int, payload: bytes, transport_name: str = "p2p") -> None:
     from .replica import Replica
 
-    transport.runtime().models[model_id] = Replica.from_payload(payload)
+    transport.runtime().models[model_id] = Replica.from_payload(payload, transport_name)
 
 
 def uninstall(model_ids: list[int]) -> None:
@@ -114,6 +114,18 @@ def prefetch(reads: list) -> None:
     from .data import prefetch as ahead
 
     ahead.start(reads)
+
+
+def dense_step(model_id: int, *args) -> float:
+    return replica(model_id).dense_step(*args)
+
+
+def keep_forward(model_id: int, *args):
+    return replica(model_id).keep_forward(*args)
+
+
+def backward(model_id: int, *args):
+    return replica(model_id).backward(*args)
 
 
 def step(model_id: int, context_id: int) -> None:

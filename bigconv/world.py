@@ -407,6 +407,16 @@ class World:
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
+    def settled(self, futures: Sequence, grace: float) -> bool:
+        """Whether every future is done within ``grace`` seconds (e.g. every worker has failed the same
+        way after one failed), with no worker dead."""
+        deadline = time.monotonic() + grace
+        while not all(f.done() for f in futures):
+            if time.monotonic() > deadline or self.dead_workers():
+                return False
+            time.sleep(0.01)
+        return not self.dead_workers()
+
     @contextlib.contextmanager
     def autograd_context(self) -> Iterator[int]:
         """A distributed-autograd context, released on the way out unless the world broke inside it.

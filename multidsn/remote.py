@@ -18,6 +18,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 
 from bigconv import saving, transport
+from bigconv.grad_buckets import GradBuckets
 
 from .config import DSNConfig
 from .model import head_terms, reconstruction_term, separation_terms
@@ -33,6 +34,9 @@ class WorkerPart:
         self.cfg = cfg
         self.modules = {name: m.to(self.device) for name, m in modules.items()}
         self.groups = groups
+        # Replicated modules' gradients are summed by bigconv's own gradient buckets, as the shards' are.
+        self.sums = {name: GradBuckets(list(self.modules[name].parameters()), group, transport.runtime().timeout)
+                     for name, group in groups.items() if name in self.modules}
         self.optimizer: torch.optim.Optimizer | None = None
         self.stash: dict[tuple[int, int], torch.Tensor] = {}
         self.lock = threading.Lock()
@@ -62,27 +66,13 @@ class WorkerPart:
         grads = dist_autograd.get_gradients(context_id) if took_part else {}
         for name in sorted(self.modules):
             params = list(self.modules[name].parameters())
-            if name in self.groups:
-                self._sum_over_replicas(params, grads, self.groups[name])
+            if name in self.sums:
+                self.sums[name].reduce(grads)
             else:
                 for p in params:
                     p.grad = grads[p].clone() if p in grads else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    @staticmethod
-    def _sum_over_replicas(params: list[nn.Parameter], grads: dict, group) -> None:
-        # One flat message per module: the gradients, then a 1 per parameter this replica has a gradient for.
-        # A parameter that no replica used keeps grad None, so the optimizer skips it as a single process would.
-        flat = torch.cat([grads[p].reshape(-1) if p in grads else torch.zeros_like(p).reshape(-1) for p in params]
-                         + [torch.tensor([float(p in grads) for p in params], dtype=params[0].dtype,
-                                         device=params[0].device)])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        seen = flat[-len(params):].tolist()
-        for p, count in zip(params, seen):
-            p.grad = flat[offset: offset + p.numel()].view_as(p).clone() if count > 0 else None
-            offset += p.numel()
 
 
 def part(model_id: int) -> WorkerPart:

@@ -89,6 +89,12 @@ def rpc_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture(params=["p2p", "rpc"])
+def transport(request) -> str:
+    """The driver mode's two transports: a test that takes this runs on both."""
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

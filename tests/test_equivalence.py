@@ -98,27 +98,28 @@ def _params(cases):
 
 
 @pytest.mark.parametrize("workers,grid,factory,shape", _params(CASES))
-def test_matches_single_process_float64(world, workers, grid, factory, shape):
+def test_matches_single_process_float64(world, transport, workers, grid, factory, shape):
     model = factory().double()
     x = torch.randn(shape, dtype=torch.float64)
     y = torch.randint(0, 3, (shape[0],))
-    r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=grid)
+    r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=grid, transport=transport)
     assert_exact(r)
 
 
 @pytest.mark.world(4)
-def test_matches_single_process_float32(world):
+def test_matches_single_process_float32(world, transport):
     x = torch.randn(2, 2, 23, 21)
-    r = compare_training(mixed_2d(), world, x, torch.tensor([0, 2]), nn.CrossEntropyLoss(), grid=(2, 2))
+    r = compare_training(mixed_2d(), world, x, torch.tensor([0, 2]), nn.CrossEntropyLoss(), grid=(2, 2),
+                         transport=transport)
     assert r["tol"] == TOL32
     assert_exact(r, TOL32)
 
 
 @pytest.mark.world(4)
-def test_adam_matches(world):
+def test_adam_matches(world, transport):
     x = torch.randn(2, 1, 12, 10, dtype=torch.float64)
     r = compare_training(CNN2D(1, 3).double(), world, x, torch.tensor([1, 2]), nn.CrossEntropyLoss(),
-                         grid=(2, 2), optimizer=torch.optim.Adam, lr=0.01)
+                         grid=(2, 2), transport=transport, optimizer=torch.optim.Adam, lr=0.01)
     assert_exact(r)
 
 
@@ -157,21 +158,21 @@ def _target(kind: str, shape):
 
 @pytest.mark.world(4)
 @pytest.mark.parametrize("loss_fn,kind", [pytest.param(fn, k, id=i) for i, fn, k in DENSE_LOSSES])
-def test_dense_losses_shard_local(world, loss_fn, kind):
+def test_dense_losses_shard_local(world, transport, loss_fn, kind):
     x = torch.randn(2, 1, 13, 11, dtype=torch.float64)
     y = _target(kind, (2, 3, 13, 11))
-    r = compare_training(fcn_2d().double(), world, x, y, loss_fn, grid=(2, 2))
+    r = compare_training(fcn_2d().double(), world, x, y, loss_fn, grid=(2, 2), transport=transport)
     assert_exact(r)
 
 
 @pytest.mark.world(4)
-def test_dense_loss_never_gathers_output(world, monkeypatch):
+def test_dense_loss_never_gathers_output(world, transport, monkeypatch):
     """Shard-local losses: the driver receives (numerator, denominator) pairs, not output shards."""
     import bigconv.parallel as parallel
 
     gathered = []
     monkeypatch.setattr(parallel, "join_shards", lambda *a: gathered.append(1) or pytest.fail("output gathered"))
-    net = parallel.parallelize(fcn_2d().double(), world, grid=(2, 2))
+    net = parallel.parallelize(fcn_2d().double(), world, grid=(2, 2), transport=transport)
     net.optimizer(torch.optim.SGD, lr=0.1)
     x = torch.randn(1, 1, 10, 10, dtype=torch.float64)
     loss = net.train_step(x, torch.randn(1, 3, 10, 10, dtype=torch.float64), nn.MSELoss())
@@ -179,12 +180,12 @@ def test_dense_loss_never_gathers_output(world, monkeypatch):
 
 
 @pytest.mark.world(4)
-def test_other_loss_gets_gathered_output(world):
+def test_other_loss_gets_gathered_output(world, transport):
     """Any other callable sees the full output: here a loss that mixes positions across shards."""
     def corner_loss(out, y):
         return ((out[:, :, 0, 0] - out[:, :, -1, -1]) ** 2).sum() + (out.mean() - y) ** 2
 
     x = torch.randn(1, 1, 12, 9, dtype=torch.float64)
     r = compare_training(fcn_2d().double(), world, x, torch.tensor(0.3, dtype=torch.float64), corner_loss,
-                         grid=(2, 2))
+                         grid=(2, 2), transport=transport)
     assert_exact(r)

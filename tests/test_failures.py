@@ -48,41 +48,54 @@ class StallingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _model(action: str) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), Sabotage(-1 if action == "stall_in_step" else 1, action, from_call=2),
-                         nn.Conv2d(2, 2, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 2))
+def _model(action: str, dense: bool) -> nn.Module:
+    sabotage = Sabotage(-1 if action == "stall_in_step" else 1, action, from_call=2)
+    if dense:  # a loss computed per shard: one message per worker and step on the p2p transport
+        return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), sabotage, nn.Conv2d(2, 1, 3, padding=1))
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), sabotage, nn.Conv2d(2, 2, 3, padding=1),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2, 2))
 
 
 @pytest.mark.own_world
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("action,timeout,bound,match", [
-    ("die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during forward of step"),
-    ("stall", 8.0, 40.0, r"^worker1 did not finish forward of step"),
-    ("die_in_backward", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during (backward|optimizer step)"),
+@pytest.mark.parametrize("transport,dense,action,timeout,bound,match", [
+    ("p2p", False, "die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during forward of step"),
+    ("p2p", False, "stall", 8.0, 40.0, r"^worker1 did not finish forward of step"),
+    ("p2p", False, "die_in_backward", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during backward"),
+    ("p2p", False, "stall_in_step", 8.0, 40.0, r"^worker1 did not finish backward and optimizer step"),
+    ("p2p", True, "die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during step"),
+    ("p2p", True, "stall", 8.0, 40.0, r"^worker1 did not finish step \d \(worker0 failed during step \d: "
+                                      r"WorkerFailure: rank 0 did not complete exchange"),
+    ("p2p", True, "die_in_backward", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during step"),
+    ("rpc", False, "die", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during forward of step"),
+    ("rpc", False, "stall", 8.0, 40.0, r"^worker1 did not finish forward of step"),
+    ("rpc", False, "die_in_backward", 60.0, 20.0, r"worker1 \(pid \d+, exit code 7\) died during (backward|optimizer step)"),
     # Stuck in the optimizer step, inside the distributed-autograd context: leaving the context must
     # not wait on the stuck worker (a zoo run once sat there for minutes after the error).
-    ("stall_in_step", 8.0, 40.0, r"^worker1 did not finish optimizer step"),
+    ("rpc", False, "stall_in_step", 8.0, 40.0, r"^worker1 did not finish optimizer step"),
 ])
-def test_worker_failure_raises_in_bounded_time(exclusive, action, timeout, bound, match):
-    x, y = torch.randn(1, 1, 8, 8), torch.tensor([1])
+def test_worker_failure_raises_in_bounded_time(exclusive, transport, dense, action, timeout, bound, match):
+    x = torch.randn(1, 1, 8, 8)
+    y, loss_fn = (torch.randn(1, 1, 8, 8), nn.MSELoss()) if dense else (torch.tensor([1]), nn.CrossEntropyLoss())
     started = time.monotonic()
     with pytest.raises(bigconv.WorkerFailure, match=match):
         with bigconv.World(workers=2, timeout=timeout) as world:
-            net = bigconv.parallelize(_model(action), world, grid=(2, 1))
+            net = bigconv.parallelize(_model(action, dense), world, grid=(2, 1), transport=transport)
             net.optimizer(StallingSGD if action == "stall_in_step" else torch.optim.SGD, lr=0.1)
-            net.train_step(x, y, nn.CrossEntropyLoss())  # call 1: healthy
+            net.train_step(x, y, loss_fn)  # call 1: healthy
             t0 = time.monotonic()
             try:
-                net.train_step(x, y, nn.CrossEntropyLoss())
+                net.train_step(x, y, loss_fn)
             finally:
                 assert time.monotonic() - t0 < bound, "the failure took too long to surface"
     # Leaving the context shut the broken world down without hanging, and a new one starts.
     assert time.monotonic() - started < 2 * bound + 30
-    with bigconv.World(workers=1, timeout=30) as world:
-        net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()), world)
+    with bigconv.World(workers=2, timeout=30) as world:
+        net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()), world,
+                                  grid=(2, 1), transport=transport)
         assert net(x).shape == (1, 2)
-        net.optimizer(torch.optim.SGD, lr=0.1)  # a training step needs a fresh autograd context
-        assert net.train_step(x, y, nn.CrossEntropyLoss()) > 0
+        net.optimizer(torch.optim.SGD, lr=0.1)  # on rpc, a training step needs a fresh autograd context
+        assert net.train_step(x, torch.tensor([1]), nn.CrossEntropyLoss()) > 0
         assert not world.closed
     assert world.closed
     with pytest.raises(RuntimeError, match="closed"):

@@ -124,14 +124,14 @@ def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
 
 
 def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool = True, record: bool = False,
-                      budget_bytes: int | None = None) -> dict:
+                      budget_bytes: int | None = None, transport: str = "p2p") -> dict:
     """Train on ``world``; per-worker memory is each worker's peak above its baseline (taken after a
     warm-up step on a tiny input when ``warm``, as for the plain run). ``record`` runs the recorder
     on every worker (utilization, NVML, halo wait); ``budget_bytes`` caps each worker after the warm-up
-    (``bigconv.harness.recorder.limit_memory``).
+    (``bigconv.harness.recorder.limit_memory``). ``transport``: the driver mode's (``parallelize``).
     """
     if warm:
-        train_distributed(warmup_workload(w), world, grid=None, warm=False)
+        train_distributed(warmup_workload(w), world, grid=None, warm=False, transport=transport)
     limits = (world.call(recorder.worker_limit_memory, [(budget_bytes,)] * world.workers, "capping memory")
               if budget_bytes else None)
     if record:
@@ -139,7 +139,7 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
     elif warm:
         world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
     model, x, y = w.build()
-    net = bigconv.parallelize(model, world, grid=tuple(grid) if grid else None)
+    net = bigconv.parallelize(model, world, grid=tuple(grid) if grid else None, transport=transport)
     net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     times, loss = [], None
@@ -153,7 +153,7 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
     mem = world.call(worker.memory, [()] * world.workers, "reading memory")
     traffic = world.call(worker.transport_stats, [()] * world.workers, "reading transport stats")
     return {"grid": list(net.plan(x).grid), "step_s": min(times) if times else None, "step_times_s": times,
-            "loss": loss,
+            "loss": loss, "transport": transport,
             "workers": world.workers, "warm_baseline": warm, "budget": limits[0] if limits else None,
             "per_worker": [{**m, **t, **r} for m, t, r in zip(mem, traffic, recs)]}
 

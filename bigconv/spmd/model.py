@@ -28,7 +28,7 @@ from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_sourc
 from ..executors import join_shards
 from ..geometry import balanced_bounds, coord_of, shard_box, validate_grid
 from ..planning import Plan, Planner
-from ..replica import rng_state, set_rng_state
+from ..saving import rng_state, set_rng_state
 from ..shard_step import ShardEngine
 from ..support import check_modules
 from ..transport import WorkerRuntime, new_stats
@@ -157,7 +157,10 @@ class SpmdModel:
         dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
         out = self._forward(plan, self._local_input(plan, x), grad)
         if dense:
-            part, loss = self.engine.dense_loss(loss_fn, out, self._local_target(plan, y, loss_fn))
+            target = self._local_target(plan, y, loss_fn)
+            if is_source_batch(y):
+                self.engine.check_labels(loss_fn, out, target)
+            part, loss = self.engine.dense_loss(loss_fn, out, target)
             part.backward()
             return loss
         dense_map = plan.out_shape is not None

@@ -31,6 +31,8 @@ from . import Recv, Send, WorkerFailure, numbered
 
 TAG_SPAN = 64
 """Messages per pair and exchange that get their own gloo tag (NCCL ignores tags)."""
+EXCHANGE_SPAN, CALL_SPAN = 2**14, 2**10
+"""Exchanges per call, and calls, before tags repeat."""
 
 
 def _full(index):
@@ -128,7 +130,8 @@ class P2PLink:
     def start(self, x: torch.Tensor, key: tuple, sends: Sequence[Send], recvs: Sequence[Recv]):
         if not sends and not recvs:
             return x, None
-        base = (key[1] * TAG_SPAN) % (2**30)
+        # The call is in the tag too: a message a failed call left behind can never match a later call's.
+        base = (((key[0] % CALL_SPAN) * EXCHANGE_SPAN + key[1] % EXCHANGE_SPAN) * TAG_SPAN) % (2**30)
         ex = _Exchange(self, key,
                        [(p, index, base + n % (TAG_SPAN // 2)) for (p, n), (_, index) in
                         zip(numbered([d for d, _ in sends]), sends)],

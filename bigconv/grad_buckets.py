@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..transport import WorkerFailure
+from .transport import WorkerFailure
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -62,6 +62,15 @@ class GradBuckets:
         group = self.buckets[i]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
         self.flights.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def reduce(self, grads: dict) -> None:
+        """Sum ``grads`` (parameter to gradient, e.g. a distributed-autograd context's) now rather than
+        during backward, into ``p.grad``; what ``grads`` lacks counts as zeros, as in ``finish``."""
+        for b in self.buckets:
+            for p in b:
+                p.grad = grads.get(p)
+        self.arm()
+        self.finish()
 
     def finish(self) -> None:
         """Start what backward left, wait for every bucket and write the sums into ``p.grad``; a parameter
