@@ -1,14 +1,16 @@
 """bigconv: train ordinary PyTorch CNNs on images split over many workers, exactly.
 
-Layers, bottom up: ``geometry`` (pure index math) -> ``transport`` and ``world`` (RPC, mailboxes,
-process groups) -> ``sharding``/``executors`` (what each op means on shards) -> ``parallel``
-(the driver's training API).
+Layers, bottom up (each imports only those below it; ``tests/test_architecture.py`` checks it):
+``geometry`` (index math) -> ``data`` (slides, read box by box) -> ``transport`` (links between
+shards: point-to-point, RPC) -> ``ops`` (what each torch op means on shards) -> ``engine`` (the
+shard-step every front end runs) -> ``runtime`` (processes, ``World``) -> the front ends
+(``parallel`` for the driver mode, ``spmd`` for SPMD, with ``planning``) -> ``harness``/``verify``.
 """
 
 from .parallel import ParallelModel, parallelize
-from .sharding import UnsupportedOperation
+from .ops.shards import UnsupportedOperation
 from .transport import WorkerFailure
-from .world import World
+from .runtime.world import World
 
 __all__ = ["World", "parallelize", "ParallelModel", "UnsupportedOperation", "WorkerFailure"]
 __version__ = "0.1.0"

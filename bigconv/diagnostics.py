@@ -15,9 +15,10 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from . import transport
-from .executors import ShardExecutor, split_shards
-from .geometry import Window, all_coords, halo_plan
-from .world import World
+from .transport import rpc as rpc_link
+from .engine.executor import ShardExecutor, split_shards
+from .geometry.boxes import Window, all_coords, halo_plan
+from .runtime.world import World
 
 _probe_calls = itertools.count(10**9)  # never collides with a model's call numbers
 _LEAVES: dict[int, torch.Tensor] = {}
@@ -31,7 +32,7 @@ def _exchange(call: int, grid, shape, windows, x_local: torch.Tensor, y_local: t
         window = ShardExecutor(grid, call, rt).gather_window(x_local, shape, windows)
         return window.detach().clone(), (window * y_local).sum()
     finally:
-        transport.flush(rt)
+        rpc_link.flush(rt)
 
 
 def _adjoint_half(call: int, context_id: int) -> tuple[torch.Tensor, float]:

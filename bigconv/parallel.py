@@ -15,15 +15,16 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 
-from . import checks, losses, saving, worker
+from . import checks, losses, saving
+from .runtime import worker
 from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch
-from .executors import join_shards, split_shards
-from .geometry import shard_box, all_coords, validate_grid
+from .engine.executor import join_shards, split_shards
+from .geometry.boxes import shard_box, all_coords, validate_grid
 from .planning import Plan, Planner
-from .replica import TRANSPORTS, to_payload
-from .support import check_modules
+from .runtime.replica import TRANSPORTS, to_payload
+from .ops.support import check_modules
 from .transport import WorkerFailure
-from .world import World
+from .runtime.world import World
 
 P2P_SETTLE_S = 5.0
 """After a worker fails on the p2p transport, how long the others may take to finish before the World

@@ -15,10 +15,10 @@ import torch.nn as nn
 
 from . import checks, losses, saving
 from .data.sources import SourceBatch, is_source_batch, target_stand_in
-from .dry_run import dry_run, meta_copy
-from .geometry import choose_grid
-from .sharding import UnsupportedOperation
-from .support import conv_dims
+from .engine.dry_run import dry_run, meta_copy
+from .geometry.boxes import choose_grid
+from .ops.shards import UnsupportedOperation
+from .ops.support import conv_dims
 
 
 @dataclass(frozen=True)

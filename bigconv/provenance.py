@@ -10,12 +10,14 @@ import os
 import subprocess
 
 OUTPUT_FOLDERS = ("results", "figures")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The checkout this package lives in: a fresh process started there imports this checkout's ``bigconv``."""
 
 
 def source_commit(root: str | None = None) -> tuple[str | None, bool | None]:
     """(commit hash, True if tracked files outside ``OUTPUT_FOLDERS`` differ from it) of the checkout at
     ``root`` (default: the one this package lives in); (None, None) outside a git checkout or without git."""
-    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = root or ROOT
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True,
                                 cwd=root, timeout=10).stdout.strip()

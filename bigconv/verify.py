@@ -24,7 +24,7 @@ import torch
 
 from .data.sources import SourceBatch, is_source_batch, read_targets
 from .parallel import parallelize
-from .world import World  # or an SPMD world
+from .runtime.world import World  # or an SPMD world
 
 ERROR_KEYS = ("forward", "input_grad", "param_grads", "loss", "weights")
 # A tensor may differ from one process by this many times what a one-ulp change of the input and

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 
 import bigconv
-from bigconv.world import WORKER_ENV
+from bigconv.runtime.world import WORKER_ENV
 from bigconv.harness.spmd_workload import train_spmd
 from bigconv.harness.workload import Workload, environment, plain_in_fresh_process, train_distributed
 

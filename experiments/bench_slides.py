@@ -36,15 +36,16 @@ import numpy as np
 import torch
 
 import bigconv
-from bigconv import memory, worker
+from bigconv import memory
+from bigconv.runtime import worker
 from bigconv.data import SourceBatch, open_image, synthetic_slide
-from bigconv.dry_run import dry_run, meta_copy
-from bigconv.geometry import shard_box
+from bigconv.engine.dry_run import dry_run, meta_copy
+from bigconv.geometry.boxes import shard_box
 from bigconv.harness import records
 from bigconv.harness.workload import environment
 from bigconv.memory import PeakMeter
 from bigconv.models import SlideCNN
-from bigconv.world import WORKER_ENV
+from bigconv.runtime.world import WORKER_ENV
 
 MiB = 2**20
 

@@ -95,7 +95,7 @@ def spmd_equivalence_rank(cases: list) -> list:
 
 def equivalence(out: str, base: dict) -> int:
     import bigconv
-    from bigconv.spmd import launch
+    from bigconv.runtime import spmd_launch as launch
 
     failures = 0
 

@@ -59,7 +59,7 @@ def _plain_steps(size: int, box: tuple[tuple[int, int], tuple[int, int]] | None,
 
 def _rank(size: int, grid: tuple[int, int], steps: int, pair: bool) -> list:
     import bigconv
-    from bigconv.geometry import all_coords, shard_box
+    from bigconv.geometry.boxes import all_coords, shard_box
 
     if not pair:
         box = None if grid == (1, 1) else shard_box((size, size), grid, (0, 0))
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from bigconv.harness.spmd_workload import train_spmd
     from bigconv.harness.workload import Workload, environment
-    from bigconv.spmd import launch
+    from bigconv.runtime import spmd_launch as launch
 
     w = Workload(model="cnn2d", size=args.size, steps=args.steps)
     best: dict[str, list[float]] = {"full": [], "half_alone": [], "half_pair": [], "spmd": []}

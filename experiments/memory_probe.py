@@ -40,7 +40,7 @@ def allocated_bytes() -> int:
 
 def track_forward_threads() -> None:
     """Worker side: note the thread of every forward call from now on."""
-    from bigconv import worker
+    from bigconv.runtime import worker
 
     original = worker.forward
 
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.mkl_cache:
         os.environ["MKL_DISABLE_FAST_MM"] = ""  # set here, so WORKER_ENV's value does not apply
-    for key, value in bigconv.world.WORKER_ENV.items():  # the plain run's settings, as in the sweeps
+    for key, value in bigconv.runtime.world.WORKER_ENV.items():  # the plain run's settings, as in the sweeps
         os.environ.setdefault(key, value)
     w = Workload(model=args.model, size=args.size, steps=1)
     MiB = 2**20

@@ -5,7 +5,7 @@
 - ``idle_cpu``: CPU seconds each process of an idle 2-worker World burns over 5 s, with the libuv
   transport (our default) and with TensorPipe's shared-memory transport.
 - ``plain_allocator``: plain single-process CNN2D 2048^2 step time (1 thread) with glibc's default
-  allocator and with ``bigconv.world.WORKER_ENV``.
+  allocator and with ``bigconv.runtime.world.WORKER_ENV``.
 - ``worker_busy``: over 4 training steps of CNN2D 2048^2 on 2 workers of 1 thread, each worker's
   CPU time (user and system) against the wall time: what it spends waiting is the rest.
 """
@@ -21,7 +21,7 @@ import time
 import torch
 
 import bigconv
-from bigconv.world import WORKER_ENV
+from bigconv.runtime.world import WORKER_ENV
 from experiments.bench_core import append
 from bigconv.harness.workload import Workload, environment
 

@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="results/spmd_overhead.jsonl")
     args = parser.parse_args(argv)
-    from bigconv.spmd import launch
+    from bigconv.runtime import spmd_launch as launch
 
     print(json.dumps(launch.run(_rank, 1, (args.size, args.rounds, args.out), timeout=1800)[0]))
 

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 import bigconv
-from bigconv import progress, worker
+from bigconv import progress
+from bigconv.runtime import worker
 from bigconv.data import open_image, synthetic_slide
 from bigconv.memory import PeakMeter
 from bigconv.models import SlideCNN

@@ -18,7 +18,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 
 from bigconv import saving, transport
-from bigconv.grad_buckets import GradBuckets
+from bigconv.engine.buckets import GradBuckets
 
 from .config import DSNConfig
 from .model import head_terms, reconstruction_term, separation_terms

@@ -160,9 +160,9 @@ def all_cases() -> dict:
 def adjoint(world) -> dict:
     """⟨F x, y⟩ = ⟨x, Fᵀ y⟩ for the P2P halo exchange alone: F gathers each shard's padded window
     (a 5×3 kernel's, on an uneven 3-D grid), Fᵀ is what its backward computes."""
-    from bigconv.executors import ShardExecutor
-    from bigconv.geometry import Window, shard_box, all_coords
-    from bigconv.sharding import mark
+    from bigconv.engine.executor import ShardExecutor
+    from bigconv.geometry.boxes import Window, shard_box, all_coords
+    from bigconv.ops.shards import mark
     from bigconv.transport import WorkerRuntime
     from bigconv.transport.p2p import P2PLink
     import torch.distributed as dist

@@ -100,7 +100,7 @@ def test_prefetched_batches_train_as_read_ones(world, folder):
     """With prefetch the workers read each batch during the step before it; the weights are the same
     bit for bit as reading in the step, and the steps wait less for their reads."""
     import bigconv
-    from bigconv import worker
+    from bigconv.runtime import worker
 
     def run(prefetch: bool):
         torch.manual_seed(0)

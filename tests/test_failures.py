@@ -120,7 +120,7 @@ def test_from_env_world_trains_exactly(exclusive):
     import sys
 
     from bigconv.models import CNN1D
-    from bigconv.netbind import listening_socket
+    from bigconv.runtime.netbind import listening_socket
     from bigconv.verify import compare_training
 
     with listening_socket("127.0.0.1") as probe:

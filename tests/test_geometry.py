@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bigconv.geometry import (
+from bigconv.geometry.boxes import (
     Window, all_coords, balanced_bounds, choose_grid, coord_of, halo_plan, index_of, intersect, shard_box,
     validate_grid,
 )
-from bigconv.rules_window import _conv_windows
+from bigconv.ops.window import _conv_windows
 
 
 @pytest.mark.parametrize("size,parts", [(10, 3), (7, 7), (100, 8), (5, 1)])

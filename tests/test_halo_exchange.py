@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from bigconv.diagnostics import halo_adjoint
-from bigconv.executors import pad_spec
-from bigconv.geometry import Window, all_coords, halo_plan
+from bigconv.engine.executor import pad_spec
+from bigconv.geometry.boxes import Window, all_coords, halo_plan
 
 CASES = [
     ("2x2-k3", (2, 2), (13, 11), [Window(3, 1, 1, 1, 1)] * 2),

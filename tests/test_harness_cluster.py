@@ -4,7 +4,7 @@ torchrun is real; ``srun`` and ``jsrun`` are shims that start the requested numb
 processes with the variables SLURM or jsrun would set (``SLURM_PROCID``..., ``JSM_NAMESPACE_*`` and
 an LSF rank file whose first line is the launch node). Each script must bring up a world through
 ``World.from_env()`` and leave one record naming its launcher. A failure points at the script, the
-entry point ``experiments.cluster.run`` or the launcher parsing of ``bigconv.launch_env``.
+entry point ``experiments.cluster.run`` or the launcher parsing of ``bigconv.runtime.launch_env``.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_cluster_script(exclusive, tmp_path, script, launcher):
 
 def test_launch_scripts_export_the_worker_env():
     """Launched workers get WORKER_ENV from the script (a local World sets it itself); set values win."""
-    from bigconv.world import WORKER_ENV
+    from bigconv.runtime.world import WORKER_ENV
     from experiments.cluster.env import export_lines
 
     assert export_lines({}) == [f"export {k}={v}" for k, v in WORKER_ENV.items()]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bigconv.launch_env import AGENT_PORT_OFFSET, detect, first_slurm_host
+from bigconv.runtime.launch_env import AGENT_PORT_OFFSET, detect, first_slurm_host
 
 
 def test_torchrun():

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 import bigconv
-from bigconv import worker
-from bigconv.executors import own_padding
-from bigconv.geometry import Window, halo_plan, shard_box
+from bigconv.runtime import worker
+from bigconv.engine.executor import own_padding
+from bigconv.geometry.boxes import Window, halo_plan, shard_box
 from bigconv.memory import PeakMeter
 
 TOL32 = 1e-4  # float32, as in test_equivalence: the two runs differ by summation order only

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import bigconv
-from bigconv import netbind
+from bigconv.runtime import netbind
 from bigconv.models import CNN2D
 
 

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # the ranks import spmd_cases, test_layers and zoo from here
 import spmd_cases  # noqa: E402
 
-from bigconv.spmd import launch  # noqa: E402
+from bigconv.runtime import spmd_launch as launch  # noqa: E402
 
 TOL = 1e-9
 SIZES = spmd_cases.case_sizes()

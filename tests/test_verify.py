@@ -30,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import BY_NAME
 
-from bigconv.verify import (ERROR_KEYS, Run, compare_training, judge, measure_noise, named_tensors, summarize,
-                            train_single)
+from bigconv.verify import (
+    ERROR_KEYS, Run, compare_training, judge, measure_noise, named_tensors, summarize, train_single,
+)
 
 TOL = 1e-9
 

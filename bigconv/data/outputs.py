@@ -13,7 +13,7 @@ import os
 import shutil
 from typing import Sequence
 
-from ..geometry import all_coords, shard_box
+from ..geometry.boxes import all_coords, shard_box
 
 MIN_CHUNK = 16
 

@@ -242,7 +242,8 @@ _WORKER: Recorder | None = None
 
 def worker_start(enabled: bool = True, interval_s: float = 0.2) -> None:
     """Reset this worker's peaks and traffic counters and start recording."""
-    from bigconv import transport, worker
+    from bigconv import transport
+    from bigconv.runtime import worker
 
     global _WORKER
     worker.reset_memory()

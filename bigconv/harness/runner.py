@@ -22,11 +22,10 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from bigconv.world import WORKER_ENV
+from bigconv.runtime.world import WORKER_ENV
 from bigconv.harness import registry
+from bigconv.provenance import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The checkout's root: a fresh process started there imports this checkout's ``bigconv``."""
 MARK = "RECORD "
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "outofmemoryerror")
 
@@ -199,7 +198,7 @@ def run_world(cfg: RunConfig, world=None) -> dict:
 
 
 def run_spmd(cfg: RunConfig) -> dict:
-    """``cfg.workers`` local SPMD ranks (``bigconv.spmd.launch``), each with its share of the cores."""
+    """``cfg.workers`` local SPMD ranks (``bigconv.runtime.spmd_launch``), each with its share of the cores."""
     from bigconv.harness.spmd_workload import train_spmd
 
     threads = max(1, (os.cpu_count() or 1) // cfg.workers)

@@ -40,7 +40,7 @@ def _steps(w: Workload, world, grid, replicas: int, x=None, y=None, model=None) 
 
 def rank_main(wd: dict, grid, replicas: int, threads: int, device: str = "cpu", memory_fraction: float | None = None,
               timeout: float = 300.0, record: bool = False, budget_bytes: int | None = None) -> dict:
-    """One rank's run (called through ``bigconv.spmd.launch.run`` or under torchrun).
+    """One rank's run (called through ``bigconv.runtime.spmd_launch.run`` or under torchrun).
 
     ``record`` runs the recorder (utilization, NVML) over the measured steps; ``budget_bytes`` caps
     the rank after the warm-up, as the driver mode caps each worker (``recorder.limit_memory``).
@@ -70,7 +70,7 @@ def train_spmd(w: Workload, ranks: int, grid=None, replicas: int = 1, threads: i
                memory_fraction: float | None = None, timeout: float = 900.0, record: bool = False,
                budget_bytes: int | None = None) -> dict:
     """Launch ``ranks`` local SPMD ranks on ``w``; per-rank records and the slowest rank's best step."""
-    from ..spmd import launch
+    from ..runtime import spmd_launch as launch
 
     # A rank's own waits give up well before the launch does, so the error names the peer it waited for.
     rank_timeout = max(60.0, timeout / 3)

@@ -17,13 +17,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 import bigconv
-from bigconv import worker
+from bigconv.runtime import worker
 from bigconv.memory import PeakMeter
-from bigconv.provenance import source_commit
-from bigconv.world import WORKER_ENV
+from bigconv.provenance import ROOT, source_commit
+from bigconv.runtime.world import WORKER_ENV
 from bigconv.harness import recorder, registry
 from bigconv.harness.recorder import Recorder
-from bigconv.harness.runner import ROOT
 
 
 @dataclass(kw_only=True)
@@ -54,7 +53,7 @@ class Workload:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         for name in ("size", "batch", "channels", "width", "depth", "steps"):
-            bigconv.geometry.check_positive_int(getattr(self, name), name)
+            bigconv.geometry.boxes.check_positive_int(getattr(self, name), name)
 
     @property
     def spec(self) -> registry.ModelSpec:

@@ -10,6 +10,6 @@ with backward), ``model`` (the training API), ``launch`` (local ranks for tests 
 """
 
 from .model import SpmdModel
-from .world import SpmdWorld
+from ..runtime.spmd_world import SpmdWorld
 
 __all__ = ["SpmdModel", "SpmdWorld"]

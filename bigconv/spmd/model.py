@@ -25,15 +25,15 @@ import torch.nn as nn
 from .. import checks, saving
 from ..data import prefetch
 from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
-from ..executors import join_shards
-from ..geometry import balanced_bounds, coord_of, shard_box, validate_grid
+from ..engine.executor import join_shards
+from ..geometry.boxes import balanced_bounds, coord_of, shard_box, validate_grid
 from ..planning import Plan, Planner
 from ..saving import rng_state, set_rng_state
-from ..shard_step import ShardEngine
-from ..support import check_modules
+from ..engine.step import ShardEngine
+from ..ops.support import check_modules
 from ..transport import WorkerRuntime, new_stats
 from ..transport.p2p import P2PLink
-from .world import SpmdWorld
+from ..runtime.spmd_world import SpmdWorld
 
 
 def check_layout(world: SpmdWorld, grid, replicas) -> tuple[tuple[int, ...] | None, int]:

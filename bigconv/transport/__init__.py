@@ -1,6 +1,6 @@
 """How shards exchange tensors: one interface, two transports.
 
-The executor (``bigconv.executors``) describes every exchange the same way: which parts of a local
+The executor (``bigconv.engine.executor``) describes every exchange the same way: which parts of a local
 tensor go to which shard, and which shapes arrive from which shard. A *link* carries it out:
 
 - ``rpc.RpcLink`` (the driver mode): each part is pushed over RPC into the receiver's mailbox at
@@ -89,7 +89,8 @@ class WorkerRuntime:
     send: Callable[[int, Hashable, torch.Tensor], None] | None = None
     """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
     link: Any = None
-    """The link executors use; None: ``rpc.RpcLink`` (mailboxes). SPMD ranks set a ``p2p.P2PLink``."""
+    """The link executors use: a ``p2p.P2PLink`` (SPMD ranks, driver workers on the p2p transport) or an
+    ``rpc.RpcLink`` (mailboxes: the rpc transport, the dry run); whoever makes the runtime sets it."""
     replica: int = 0
     replicas: int = 1
     replica_link: Any = None
@@ -138,18 +139,3 @@ def numbered(peers: Sequence[int]) -> list[tuple[int, int]]:
         out.append((peer, seen.get(peer, 0)))
         seen[peer] = seen.get(peer, 0) + 1
     return out
-
-
-def link_of(rt: WorkerRuntime) -> Link:
-    if rt.link is not None:
-        return rt.link
-    from .rpc import RpcLink
-
-    return RpcLink(rt)
-
-
-def flush(rt: WorkerRuntime) -> None:
-    """Wait for ``rt``'s RPC pushes to be acknowledged (see ``rpc.flush``)."""
-    from .rpc import flush as rpc_flush
-
-    rpc_flush(rt)

@@ -2,7 +2,7 @@
 
     eval "$(python -m experiments.cluster.env)"
 
-A local ``World`` gives its workers ``bigconv.world.WORKER_ENV`` itself; processes started by
+A local ``World`` gives its workers ``bigconv.runtime.world.WORKER_ENV`` itself; processes started by
 torchrun, srun or jsrun get only the environment of the script, and glibc and MKL read these
 variables when the process starts. Variables already set are left alone, as a local World does.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from bigconv.world import WORKER_ENV
+from bigconv.runtime.world import WORKER_ENV
 
 
 def export_lines(env: dict[str, str] | None = None) -> list[str]:

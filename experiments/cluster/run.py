@@ -44,7 +44,7 @@ def main(argv=None) -> None:
         cfg, world, launcher = RunConfig(workers=0, **common), None, "none"
     else:
         import bigconv
-        from bigconv import launch_env
+        from bigconv.runtime import launch_env
 
         launcher = launch_env.detect().launcher
         world = bigconv.World.from_env(device=args.device, timeout=args.timeout)  # workers serve, then exit

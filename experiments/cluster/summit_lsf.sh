@@ -19,7 +19,7 @@
 set -euo pipefail
 cd "${LS_SUBCWD:-.}"
 PY=${PYTHON:-python}
-# The workers' runtime settings (bigconv.world.WORKER_ENV: allocator, huge pages, MKL buffers), as a
+# The workers' runtime settings (bigconv.runtime.world.WORKER_ENV: allocator, huge pages, MKL buffers), as a
 # local World sets them; variables already set win. The plain baseline runs under them too.
 eval "$($PY -m experiments.cluster.env)"
 # compute hosts: the host file's lines after the first (the launch node), without repeats

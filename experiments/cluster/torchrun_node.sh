@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python}
-# The workers' runtime settings (bigconv.world.WORKER_ENV: allocator, huge pages, MKL buffers), as a
+# The workers' runtime settings (bigconv.runtime.world.WORKER_ENV: allocator, huge pages, MKL buffers), as a
 # local World sets them; variables already set win. The plain baseline runs under them too.
 eval "$($PY -m experiments.cluster.env)"
 GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")

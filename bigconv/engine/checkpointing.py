@@ -30,9 +30,10 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .executors import ShardExecutor
-from .sharding import ShardMode, active_mode, tree_flatten
-from .transport import WorkerFailure, numbered
+from .executor import ShardExecutor
+from ..ops.shards import tree_flatten
+from ..ops.mode import ShardMode, active_mode
+from ..transport import WorkerFailure, numbered
 
 _ORIGINAL = torch_checkpoint.checkpoint
 

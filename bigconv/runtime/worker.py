@@ -20,28 +20,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from . import transport
-from .memory import PeakMeter
-from .transport import WorkerRuntime, worker_name
+from .. import transport
+from ..memory import PeakMeter
+from . import netbind
+from .agent import RPC_STORE_KEY, pick_device, quiet_rpc_init, rpc_options
+from ..transport import WorkerRuntime, worker_name
+from ..transport.rpc import RpcLink
 
 GRAD_PREFIX = "bigconv-grad"
 log = logging.getLogger(__name__)
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but this worker sees no GPU")
-    # Round-robin: several workers may share one GPU.
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
-
-
 def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, device: str, threads: int,
           timeout: float, startup_timeout: float, ifname: str) -> None:
-    from . import netbind
-    from .world import RPC_STORE_KEY, quiet_rpc_init, rpc_options
-
     torch.set_num_threads(threads)
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
@@ -53,7 +44,9 @@ def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, 
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                 store=dist.PrefixStore(GRAD_PREFIX, store),
                                 rank=rank - 1, world_size=world_size - 1, timeout=timedelta(seconds=timeout))
-        transport.set_runtime(WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout))
+        rt = WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout)
+        rt.link = RpcLink(rt)  # the rpc transport's and the halo probes' (p2p replicas make their own)
+        transport.set_runtime(rt)
         global _METER
         _METER = PeakMeter(dev)  # the idle baseline: imports, RPC and the process group, no model yet
         options = rpc_options(netbind.rendezvous_url(store, RPC_STORE_KEY), world_size - 1, timeout)
@@ -111,7 +104,7 @@ def predict(model_id: int, *args) -> None:
 
 
 def prefetch(reads: list) -> None:
-    from .data import prefetch as ahead
+    from ..data import prefetch as ahead
 
     ahead.start(reads)
 
@@ -182,8 +175,8 @@ def main() -> None:
     # `kill -USR1 <pid>` prints every thread's stack: the first thing to look at when a worker hangs.
     faulthandler.register(signal.SIGUSR1)
     # Before any model is unpickled here: a torchvision model must import on a CPU-only torch.
-    from . import checkpointing
-    from .compat import allow_torchvision_without_ops
+    from ..engine import checkpointing
+    from ..compat import allow_torchvision_without_ops
 
     allow_torchvision_without_ops()
     checkpointing.install()

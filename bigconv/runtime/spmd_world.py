@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import launch_env, netbind
-from ..worker import pick_device
+from . import launch_env, netbind
+from .agent import WorldClosedError, pick_device
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "bigconv-spmd"
@@ -53,9 +53,9 @@ class SpmdWorld:
             raise ValueError("torch.distributed is already initialised in this process; bigconv's SPMD world "
                              "creates its own process group: call World.from_env(mode='spmd') before any "
                              "init_process_group, or destroy that group first")
-        from ..checkpointing import install
+        from ..engine.checkpointing import install
 
-        install()  # torch.utils.checkpoint.checkpoint replays halos in its recompute (bigconv.checkpointing)
+        install()  # torch.utils.checkpoint.checkpoint replays halos in its recompute (bigconv.engine.checkpointing)
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout = float(timeout)
         self.device = pick_device(device, local_rank)
@@ -91,8 +91,6 @@ class SpmdWorld:
 
     def check_usable(self) -> None:
         if self._closed:
-            from ..world import WorldClosedError
-
             raise WorldClosedError("this SPMD world is closed; open a new one with World.from_env(mode='spmd')")
 
     def mesh(self, replicas: int) -> Mesh:

@@ -12,172 +12,39 @@ unchanged ``forward`` makes:
 - calls with no sharded argument run as they are (weights, the replicated head), except those that
   turn a whole map into one of an image's size (``interpolate``, ``expand``), which build this
   shard's part of the result;
-- every other call on a sharded tensor goes to its rule (``rules_layout``, ``rules_reduce``,
-  ``rules_window``, ``rules_norm``), which runs it on the shard and exchanges what it needs through
-  an *executor*;
+- every other call on a sharded tensor goes to its rule (``layout``, ``reduce``, ``window``,
+  ``norm``, merged into one frozen table by ``bigconv.ops.table``), which runs it on the shard and
+  exchanges what it needs through an *executor*;
 - anything else raises ``UnsupportedOperation`` naming the module, so nothing is silently wrong.
 
 Why the mode answers size queries rather than a tensor subclass carrying the global shape (as
 DTensor and ShardTensor do): the mode already sees every call of the forward, so one object holds
 the whole contract, every intermediate tensor stays a plain tensor that PyTorch's kernels and
 autograd handle at full speed, and the driver's dry run executes the very same rules on meta
-tensors (``bigconv.dry_run``).
+tensors (``bigconv.engine.dry_run``).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
-SPATIAL_DIMS_ATTR = "_bigconv_spatial_dims"
-"""Negative positions of the spatial dims, in grid-axis order, when they are not the trailing ones."""
-REPLICATED_ATTR = "_bigconv_replicated"
-"""Marks a whole spatial map held by every worker: one too small to split over the grid."""
-
-
-class UnsupportedOperation(ValueError):
-    """An operation that cannot be decomposed exactly over spatial shards."""
-
-
-def tree_flatten(tree: Any) -> tuple[list, None]:
-    """The leaves of nested lists, tuples and dicts (torch's own version leaves a reference cycle
-    behind on every call, which the mode makes thousands of times per step)."""
-    leaves, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (list, tuple)):
-            stack.extend(reversed(node))
-        elif isinstance(node, dict):
-            stack.extend(reversed(list(node.values())))
-        else:
-            leaves.append(node)
-    return leaves, None
-
-
-def global_shape(t: object) -> tuple[int, ...] | None:
-    return getattr(t, GLOBAL_SHAPE_ATTR, None) if isinstance(t, torch.Tensor) else None
-
-
-def trailing(n: int) -> tuple[int, ...]:
-    return tuple(range(-n, 0))
-
-
-def spatial_dims(t: torch.Tensor, n: int) -> tuple[int, ...]:
-    """Negative positions of a sharded tensor's spatial dims (the last ``n`` unless a layout op moved them)."""
-    return getattr(t, SPATIAL_DIMS_ATTR, None) or trailing(n)
-
-
-def mark(t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None) -> torch.Tensor:
-    setattr(t, GLOBAL_SHAPE_ATTR, tuple(shape))
-    if dims is not None and tuple(dims) != trailing(len(shape)):
-        setattr(t, SPATIAL_DIMS_ATTR, tuple(dims))
-    elif SPATIAL_DIMS_ATTR in t.__dict__:
-        delattr(t, SPATIAL_DIMS_ATTR)
-    return t
-
-
-def global_size(t: torch.Tensor, n: int) -> torch.Size:
-    """The size a single process sees for sharded ``t``."""
-    size = list(t.shape)
-    for d, g in zip(spatial_dims(t, n), global_shape(t)):
-        size[d] = g
-    return torch.Size(size)
-
-
-def is_replicated(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and getattr(t, REPLICATED_ATTR, False)
-
-
-def bind(names: Sequence[str], args: Sequence, kwargs: dict) -> dict:
-    """A call's arguments by name (positional first)."""
-    return dict(zip(names, args), **kwargs)
-
-
-def ntuple(value: Any, n: int) -> list:
-    return [value] * n if isinstance(value, int) else list(value) * (n if len(value) == 1 else 1)
-
-
-def with_input(func: Callable, args: Sequence, kwargs: dict) -> Callable:
-    """``func`` as called, with its input tensor replaced."""
-
-    def call(t: torch.Tensor):
-        if args:
-            return func(t, *args[1:], **kwargs)
-        return func(**{**kwargs, "input": t})
-
-    return call
-
-
-class Executor(Protocol):
-    """Where this shard lives and how it talks to the others (``executors.ShardExecutor``)."""
-
-    grid: tuple[int, ...]
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
-
-    def local_part(self, t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None
-                   ) -> torch.Tensor: ...
-
-    def fits(self, shape: Sequence[int]) -> bool: ...
-
-    def allsum(self, partial: torch.Tensor) -> torch.Tensor: ...
-
-
-class ModulePath:
-    """Tracks which module is running, so errors can name it."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.stack: list[str] = []
-        for name, module in model.named_modules():
-            label = f"'{name or '<root>'}' ({type(module).__name__})"
-            module.register_forward_pre_hook(lambda *_, label=label: self._enter(label))
-            module.register_forward_hook(lambda *_: self._leave())
-
-    # Hooks must return None: a forward hook's return value replaces the module's output.
-    def _enter(self, label: str) -> None:
-        self.stack.append(label)
-
-    def _leave(self) -> None:
-        if self.stack:
-            self.stack.pop()
-
-    @property
-    def current(self) -> str:
-        return f"module {self.stack[-1]}" if self.stack else "the model's forward"
-
-
-def op_name(func: Callable) -> str:
-    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    if "<locals>" in qual:  # F.max_pool2d and friends are boolean_dispatch wrappers
-        qual = getattr(func, "__name__", qual)
-    if qual.startswith("_TensorBase.") or qual.startswith("TensorBase."):
-        qual = "Tensor." + qual.split(".", 1)[1]
-    if qual == "__get__" and hasattr(func, "__self__"):
-        qual = f"Tensor.{func.__self__.__name__}"
-    module = getattr(func, "__module__", None) or ""
-    return f"{module}.{qual}" if module and not qual.startswith("Tensor.") else qual
-
-
-RULES: dict[Callable, Callable] = {}
-"""Rules for calls with a sharded argument: ``rule(mode, func, args, kwargs)``."""
-WHOLE_RULES: dict[Callable, Callable] = {}
-"""Rules for calls without one that may build a sharded result (factories, upsampling a whole map)."""
-LAYOUT_AWARE: set[Callable] = set()
-"""Rules that handle spatial dims wherever they are; the others need them trailing (channels-first)."""
-PROPERTY_RULES: dict[str, Callable] = {}
-"""Rules for tensor attributes (``x.shape``), by name."""
+from .shards import (
+    FIX_GENERIC, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath, UnsupportedOperation,
+    global_shape, is_replicated, mark, op_name, spatial_dims, trailing, tree_flatten,
+)
+from .table import LAYOUT_AWARE, PROPERTY_RULES, RULES, WHOLE_RULES
 
 
 _ACTIVE = threading.local()
 
 
 def active_mode() -> "ShardMode | None":
-    """The ShardMode this thread runs under, if any (``bigconv.checkpointing`` asks)."""
+    """The ShardMode this thread runs under, if any (``bigconv.engine.checkpointing`` asks)."""
     stack = getattr(_ACTIVE, "stack", None)
     return stack[-1] if stack else None
 
@@ -321,18 +188,3 @@ class ShardMode(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and t.dim() >= reach and all(t.shape[d] == n for d, n in zip(dims, local)):
                 mark(t, shape, dims)
         return out
-
-
-FIX_GENERIC = (
-    "Express the model with convolutions, pointwise layers and a global pooling head, or file an issue "
-    "naming this operation"
-)
-FLATTEN_FIX = "Flatten or reshape only after global pooling (e.g. AdaptiveAvgPool2d(1))"
-SPECIFIC_FIXES = {
-    "linear": "Apply Linear after global pooling (AdaptiveAvgPoolNd(1) + Flatten), or use a 1x1 convolution to mix "
-              "channels per position",
-    "reshape": FLATTEN_FIX, "view": FLATTEN_FIX, "view_as": FLATTEN_FIX, "reshape_as": FLATTEN_FIX,
-}
-
-
-from . import rules_layout, rules_norm, rules_reduce, rules_window  # noqa: E402,F401  (they fill the tables)

@@ -13,7 +13,7 @@ import queue
 import time
 import traceback
 
-from ..netbind import listening_socket
+from .netbind import listening_socket
 
 
 FAILED_GRACE_S = 15.0
@@ -50,7 +50,7 @@ def run(fn, ranks: int, args: tuple = (), *, timeout: float = 300.0, threads: in
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    from ..world import WORKER_ENV
+    from .world import WORKER_ENV
 
     # The allocator reads its settings at process start, so they go into the environment the ranks
     # inherit (the driver mode's workers and the benchmarks' plain runs get the same).

@@ -1,7 +1,7 @@
 """A driver's worker's copy of the model: its shard's engine, run on the transport the driver chose.
 
 Every worker holds the whole (small) model and a shard of the (large) image. On the ``p2p`` transport
-a step is the SPMD shard-step (``bigconv.shard_step``): halos point-to-point in the workers' process
+a step is the SPMD shard-step (``bigconv.engine.step``): halos point-to-point in the workers' process
 group, local autograd, gradients summed in buckets while backward runs. On ``rpc`` the halos go over
 RPC and the gradients are read from the driver's distributed-autograd context. Either way they are
 **summed** over the workers (the loss of the image is the sum of shard contributions, so a replicated
@@ -16,14 +16,15 @@ import pickle
 import torch
 import torch.distributed.autograd as dist_autograd
 
-from . import losses, transport
-from .saving import rng_state, set_rng_state
-from .data import prefetch
-from .data.sources import ShardRead
-from .shard_step import ShardEngine
-from .sharding import global_shape
-from .transport import WorkerRuntime
-from .transport.p2p import P2PLink
+from .. import losses, transport
+from ..saving import rng_state, set_rng_state
+from ..data import prefetch
+from ..data.sources import ShardRead
+from ..engine.step import ShardEngine
+from ..ops.shards import global_shape
+from ..transport import WorkerRuntime
+from ..transport import rpc as rpc_link
+from ..transport.p2p import P2PLink
 
 try:
     import cloudpickle
@@ -109,14 +110,14 @@ class Replica:
             return out.cpu()
         finally:
             if self.transport == "rpc":
-                transport.flush(self.rt)  # RPC pushes
+                rpc_link.flush(self.rt)  # RPC pushes
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         return prefetch.take_or_read(read, self.rt.timeout, self.rt.stats)
 
     def predict(self, call: int, grid, shape, x, path: str, box) -> None:
         """Run this shard without gradients and write its output region into the zarr array at ``path``."""
-        from .data import outputs
+        from ..data import outputs
 
         out = self.forward(call, grid, shape, x, grad=False)
         outputs.write(path, (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box), out.numpy())

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import losses, saving
-from .executors import ShardExecutor
-from .sharding import ModulePath, ShardMode, mark
-from .grad_buckets import GradBuckets
-from .transport import WorkerRuntime
+from .. import losses, saving
+from ..ops.mode import ShardMode
+from ..ops.shards import ModulePath, mark
+from ..transport import WorkerRuntime
+from .buckets import GradBuckets
+from .executor import ShardExecutor
 
 
 class ShardEngine:

@@ -9,12 +9,24 @@ Size queries answer with the global shape, and factories given a global size bui
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .sharding import (
-    FLATTEN_FIX, LAYOUT_AWARE, PROPERTY_RULES, RULES, WHOLE_RULES, ShardMode, global_shape, global_size, mark,
-    trailing, tree_flatten,
-)
+from .shards import FLATTEN_FIX, global_shape, global_size, mark, trailing, tree_flatten
+
+if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
+    from .mode import ShardMode
+
+
+RULES: dict = {}
+"""This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
+WHOLE_RULES: dict = {}
+"""Its rules for calls without one that may build a sharded result."""
+LAYOUT_AWARE: set = set()
+"""The functions among them whose rules handle spatial dims wherever they are."""
+PROPERTY_RULES: dict = {}
+"""Its rules for tensor attributes, by name."""
 
 
 def _nonneg(dims, ndim: int) -> list[int]:

@@ -11,13 +11,28 @@ refused, as are indices into the whole image (``argmax`` over positions).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from .rules_layout import _int_dims, _neg, _nonneg
-from .sharding import LAYOUT_AWARE, RULES, WHOLE_RULES, ShardMode, bind, global_shape, mark, trailing
+from .layout import _int_dims, _neg, _nonneg, pointwise
+from .shards import bind, global_shape, mark, trailing
+
+if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
+    from .mode import ShardMode
 
 _SOME_SPATIAL_FIX = "Reduce over all spatial dims at once, or over batch and channel dims only"
+
+
+RULES: dict = {}
+"""This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
+WHOLE_RULES: dict = {}
+"""Its rules for calls without one that may build a sharded result."""
+LAYOUT_AWARE: set = set()
+"""The functions among them whose rules handle spatial dims wherever they are."""
+PROPERTY_RULES: dict = {}
+"""Its rules for tensor attributes, by name."""
 
 
 def _after(mode: ShardMode, x: torch.Tensor, reduced: list[int], keepdim: bool) -> tuple[int, ...]:
@@ -38,7 +53,7 @@ def _classify(mode: ShardMode, func, x: torch.Tensor, dim) -> tuple[list[int], s
     return dims, "global"
 
 
-def _sum_mean(mode: ShardMode, func, args, kwargs, mean: bool):
+def sum_mean(mode: ShardMode, func, args, kwargs, mean: bool):
     b = bind(("input", "dim", "keepdim"), args, kwargs)
     x, keepdim = b["input"], bool(b.get("keepdim", False))
     if set(b) - {"input", "dim", "keepdim", "dtype"}:
@@ -87,7 +102,7 @@ def _extreme(mode: ShardMode, func, args, kwargs):
     if name in ("max", "min"):
         b = bind(("input", "dim", "keepdim"), args, kwargs)
         if isinstance(b.get("dim"), torch.Tensor) or (len(args) > 1 and isinstance(args[1], torch.Tensor)):
-            return RULES[torch.maximum if largest else torch.minimum](mode, func, args, kwargs)
+            return pointwise(mode, func, args, kwargs)  # the rule of torch.maximum / minimum
         dim, keepdim = b.get("dim"), bool(b.get("keepdim", False))
         if dim is None:
             return global_extreme(mode, x, list(range(x.dim())), False, largest)
@@ -174,8 +189,8 @@ def _dropout_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
 
 def _register() -> None:
     table = {
-        (lambda m, f, a, k: _sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
-        (lambda m, f, a, k: _sum_mean(m, f, a, k, mean=True)): (torch.mean, torch.Tensor.mean),
+        (lambda m, f, a, k: sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
+        (lambda m, f, a, k: sum_mean(m, f, a, k, mean=True)): (torch.mean, torch.Tensor.mean),
         _extreme: tuple(getattr(o, n) for o in (torch, torch.Tensor) for n in ("amax", "amin", "max", "min")),
         _over_dim: tuple(getattr(o, n) for o in (torch, torch.Tensor)
                          for n in ("softmax", "log_softmax", "cumsum", "argmax", "argmin", "std", "var", "logsumexp",

@@ -10,14 +10,28 @@ than the grid is computed whole on every worker instead (see ``ShardMode.windowe
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .geometry import TransposedWindow, Window, shard_box
-from .index_maps import PadMap, Resize, resize_sizes
-from .sharding import RULES, WHOLE_RULES, ShardMode, bind, global_shape, mark, ntuple, with_input
+from ..geometry.boxes import TransposedWindow, Window, shard_box
+from ..geometry.index_maps import PadMap, Resize, resize_sizes
+from .reduce import sum_mean
+from .shards import bind, global_shape, mark, ntuple, with_input
+
+if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
+    from .mode import ShardMode
+
+
+RULES: dict = {}
+"""This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
+WHOLE_RULES: dict = {}
+"""Its rules for calls without one that may build a sharded result."""
+LAYOUT_AWARE: set = set()
+"""The functions among them whose rules handle spatial dims wherever they are."""
+PROPERTY_RULES: dict = {}
+"""Its rules for tensor attributes, by name."""
 
 
 def _conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
@@ -159,7 +173,7 @@ def _adaptive(mode: ShardMode, func, args, kwargs, kind: str):
     whole = with_input(func, args, kwargs)
     if all(s == 1 for s in sizes) and kind == "avg":
         spatial = list(range(x.dim() - mode.dims, x.dim()))
-        return RULES[torch.mean](mode, torch.mean, (x, spatial, True), {})
+        return sum_mean(mode, torch.mean, (x, spatial, True), {}, mean=True)
     if all(n % s == 0 for n, s in zip(shape, sizes)):
         # Equal windows: adaptive pooling is plain pooling with kernel = stride = n / size.
         kernel = [n // s for n, s in zip(shape, sizes)]

@@ -7,7 +7,7 @@ flight, then adds the halos' contribution to the border slabs (convolution is li
 cut the same way as every tensor: balanced over the grid. Which transport carries the exchanges is
 the runtime's link (``bigconv.transport``), handed to the executor with its runtime: the executor only says what goes where.
 
-The driver's dry run (``bigconv.dry_run``) runs this same executor for every shard, on meta
+The driver's dry run (``bigconv.engine.dry_run``) runs this same executor for every shard, on meta
 tensors, with an in-process transport: whatever a worker would raise, the dry run raises first.
 """
 
@@ -21,13 +21,13 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import transport
-from .geometry import (
+from .. import transport
+from ..geometry.boxes import (
     Box, HaloPlan, Window, all_coords, balanced_bounds, coord_of, halo_plan, index_of, intersect, local_slices,
     shard_box,
 )
-from .index_maps import needed, runs
-from .sharding import UnsupportedOperation, mark
+from ..geometry.index_maps import needed, runs
+from ..ops.shards import UnsupportedOperation, mark
 
 
 class _AddInto(torch.autograd.Function):
@@ -146,7 +146,9 @@ class ShardExecutor:
         self.grid = grid
         self.call = call
         self.rt = rt
-        self.link = transport.link_of(rt)
+        if rt.link is None:
+            raise RuntimeError(f"shard {rt.index} has no link to the other shards; set its runtime's link")
+        self.link = rt.link
         self.replicas, self.replica_link = self.rt.replicas, self.rt.replica_link
         self.coord = coord_of(self.rt.index, grid)
         self.exchange = 0
@@ -369,7 +371,7 @@ class ShardExecutor:
         return nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
 
     def index_map(self, x, shape, maps: Sequence, apply: Callable, where: str) -> torch.Tensor:
-        """A separable index map (upsampling, padding modes); see ``bigconv.index_maps``.
+        """A separable index map (upsampling, padding modes); see ``bigconv.geometry.index_maps``.
 
         Each shard reads exactly the inputs its outputs' taps name, wherever they live (circular
         padding wraps around the image), and ``apply(region, taps)`` evaluates the taps on them.

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .transport import WorkerFailure
+from ..transport import WorkerFailure
 
 BUCKET_BYTES = 25 * 2**20
 

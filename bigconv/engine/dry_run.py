@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .executors import ShardExecutor
-from .geometry import all_coords, shard_box
-from .sharding import ModulePath, ShardMode, global_shape, global_size, mark
-from .transport import Mailbox, WorkerFailure, WorkerRuntime
+from .executor import ShardExecutor
+from ..geometry.boxes import all_coords, shard_box
+from ..ops.shards import ModulePath, global_shape, global_size, mark
+from ..ops.mode import ShardMode
+from ..transport import Mailbox, WorkerFailure, WorkerRuntime
+from ..transport.rpc import RpcLink
 
 DRY_RUN_TIMEOUT_S = 60.0
 """A shard of the dry run waiting this long on another is a bug in bigconv, not the user's model."""
@@ -59,6 +61,7 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
     def shard(index: int) -> None:
         rt = WorkerRuntime(index=index, workers=len(coords), device=torch.device("meta"), timeout=DRY_RUN_TIMEOUT_S,
                            mailbox=mailboxes[index], send=deliver)
+        rt.link = RpcLink(rt)  # delivers into the other shards' mailboxes, in this process
         model = copy.deepcopy(meta).train(training)
         path = ModulePath(model)
         box = shard_box(spatial, grid, coords[index])

@@ -1,12 +1,12 @@
 """The runtime: a driver process plus worker processes joined by RPC and a gradient process group.
 
 Ports: the driver hosts one TCP store at ``port``; the workers' gradient group (gloo or nccl) and
-the RPC rendezvous each use it under their own key prefix (``bigconv.netbind``). The driver holds no
+the RPC rendezvous each use it under their own key prefix (``bigconv.runtime.netbind``). The driver holds no
 shard and is not in the gradient group.
 
 Security: RPC runs pickled Python for whoever connects. Every socket of a local world listens on
 127.0.0.1 only; a cluster world listens on the interface of its launch address only
-(``bigconv.netbind``), and belongs on a trusted network all the same.
+(``bigconv.runtime.netbind``), and belongs on a trusted network all the same.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 
 from . import launch_env, netbind
-from .geometry import check_positive_int
-from .transport import WorkerFailure, worker_name
+from .agent import RPC_STORE_KEY, WorldClosedError, quiet_rpc_init, rpc_options
+from ..geometry.boxes import check_positive_int
+from ..transport import WorkerFailure, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +49,6 @@ DRIVER = "driver"
 #   MKL_DISABLE_FAST_MM frees each buffer after its call; no step-time cost was measurable.
 # Variables already set in the driver's environment win.
 WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024), "THP_MEM_ALLOC_ENABLE": "1", "MKL_DISABLE_FAST_MM": "1"}
-
-
-def rpc_options(init_method: str, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:
-    # Each worker parks one thread per forward call and receives a message from every other shard
-    # per exchange, so the pool grows with the world to never starve.
-    # TensorPipe's shared-memory transport busy-polls: an idle process burnt ~0.65 of a core in our
-    # measurement, which a worker's compute cannot spare when workers share a host's cores. The libuv
-    # (TCP) transport waits on events instead; halos are small next to the compute they feed.
-    # BIGCONV_RPC_TRANSPORTS (e.g. "ibv,uv" on InfiniBand) overrides it for the whole world.
-    transports = os.environ.get("BIGCONV_RPC_TRANSPORTS", "uv").split(",")
-    return rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=max(16, 2 * workers + 8), rpc_timeout=timeout, init_method=init_method,
-        _transports=transports, _channels=["basic"] if transports == ["uv"] else None,
-    )
 
 
 _REMOTE_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Failure|Exception|Operation)): (.+)$")
@@ -89,12 +76,6 @@ def _fresh_rpc_counters() -> None:
     rpc_api._all_gather_sequence_id.clear()
     rpc_api._all_gather_sequence_id_to_states.clear()
 
-
-RPC_STORE_KEY = "bigconv-rpc"
-
-
-class WorldClosedError(ValueError, RuntimeError):
-    """A closed World was used: bad input (a ValueError), and a RuntimeError as it always was."""
 
 _OPEN: "World | None" = None
 
@@ -153,15 +134,6 @@ def expected_shutdown_noise_hidden() -> Iterator[None]:
         os.dup2(saved, 2)  # closes the pipe's last write end: the relay drains and ends
         relay.join(5.0)
         os.close(saved)
-
-
-@contextlib.contextmanager
-def quiet_rpc_init() -> Iterator[None]:
-    """RPC's init gathers device maps with ``all_gather_object`` on a raw gloo group, which torch
-    itself then warns about as deprecated usage; nothing a user wrote, so not shown to them."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        yield
 
 
 class World:
@@ -231,7 +203,7 @@ class World:
                         device=self.device, threads=self.threads_per_worker, timeout=self.timeout,
                         startup_timeout=startup_timeout, ifname=ifname)
             env["BIGCONV_WORKER"] = json.dumps(spec)
-            entry = "from bigconv.worker import main; main()"
+            entry = "from bigconv.runtime.worker import main; main()"
             self._procs.append(subprocess.Popen([sys.executable, "-c", entry], env=env))
         try:
             with netbind.bound_to(ifname):
@@ -284,7 +256,7 @@ class World:
         ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``, else the one that routes to the launch address.
         """
         if mode == "spmd":
-            from .spmd import SpmdWorld
+            from .spmd_world import SpmdWorld
 
             return SpmdWorld.from_env(device=device, timeout=timeout, env=env)
         if mode != "driver":

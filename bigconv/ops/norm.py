@@ -9,12 +9,27 @@ from the combined values, so they end equal on every replica and equal to the si
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 import torch.nn.functional as F
 
-from .sharding import LAYOUT_AWARE, RULES, ShardMode, bind, global_shape, mark
+from .shards import bind, global_shape, mark
+
+if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
+    from .mode import ShardMode
+
+
+RULES: dict = {}
+"""This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
+WHOLE_RULES: dict = {}
+"""Its rules for calls without one that may build a sharded result."""
+LAYOUT_AWARE: set = set()
+"""The functions among them whose rules handle spatial dims wherever they are."""
+PROPERTY_RULES: dict = {}
+"""Its rules for tensor attributes, by name."""
 
 
 class _LocalMoments(torch.autograd.Function):
@@ -80,7 +95,7 @@ def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_
     ``count_dims`` are the non-spatial reduced dims (their sizes are the same on every shard); the
     spatial part of each shard's count comes from the geometry, so counts are never exchanged.
     """
-    from .geometry import all_coords, box_size, shard_box
+    from ..geometry.boxes import all_coords, box_size, shard_box
 
     base = math.prod(x.shape[d] for d in count_dims)
     counts = [base * math.prod(box_size(shard_box(shape, mode.executor.grid, c)))

@@ -1,0 +1,155 @@
+"""Which tensors are sharded: the marks a shard's tensors carry, and the helpers every op rule uses.
+
+A sharded tensor is an ordinary local tensor carrying its *global* spatial shape as an attribute,
+and, when a layout op moved them (``permute`` to channels-last), the positions of its spatial dims
+counted from the end. Its extent is the balanced share of that shape at this worker's grid
+coordinate. ``bigconv.ops.mode`` (the ``ShardMode``) dispatches calls on such tensors to the rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
+SPATIAL_DIMS_ATTR = "_bigconv_spatial_dims"
+"""Negative positions of the spatial dims, in grid-axis order, when they are not the trailing ones."""
+REPLICATED_ATTR = "_bigconv_replicated"
+"""Marks a whole spatial map held by every worker: one too small to split over the grid."""
+
+
+class UnsupportedOperation(ValueError):
+    """An operation that cannot be decomposed exactly over spatial shards."""
+
+
+def tree_flatten(tree: Any) -> tuple[list, None]:
+    """The leaves of nested lists, tuples and dicts (torch's own version leaves a reference cycle
+    behind on every call, which the mode makes thousands of times per step)."""
+    leaves, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        else:
+            leaves.append(node)
+    return leaves, None
+
+
+def global_shape(t: object) -> tuple[int, ...] | None:
+    return getattr(t, GLOBAL_SHAPE_ATTR, None) if isinstance(t, torch.Tensor) else None
+
+
+def trailing(n: int) -> tuple[int, ...]:
+    return tuple(range(-n, 0))
+
+
+def spatial_dims(t: torch.Tensor, n: int) -> tuple[int, ...]:
+    """Negative positions of a sharded tensor's spatial dims (the last ``n`` unless a layout op moved them)."""
+    return getattr(t, SPATIAL_DIMS_ATTR, None) or trailing(n)
+
+
+def mark(t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None) -> torch.Tensor:
+    setattr(t, GLOBAL_SHAPE_ATTR, tuple(shape))
+    if dims is not None and tuple(dims) != trailing(len(shape)):
+        setattr(t, SPATIAL_DIMS_ATTR, tuple(dims))
+    elif SPATIAL_DIMS_ATTR in t.__dict__:
+        delattr(t, SPATIAL_DIMS_ATTR)
+    return t
+
+
+def global_size(t: torch.Tensor, n: int) -> torch.Size:
+    """The size a single process sees for sharded ``t``."""
+    size = list(t.shape)
+    for d, g in zip(spatial_dims(t, n), global_shape(t)):
+        size[d] = g
+    return torch.Size(size)
+
+
+def is_replicated(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and getattr(t, REPLICATED_ATTR, False)
+
+
+def bind(names: Sequence[str], args: Sequence, kwargs: dict) -> dict:
+    """A call's arguments by name (positional first)."""
+    return dict(zip(names, args), **kwargs)
+
+
+def ntuple(value: Any, n: int) -> list:
+    return [value] * n if isinstance(value, int) else list(value) * (n if len(value) == 1 else 1)
+
+
+def with_input(func: Callable, args: Sequence, kwargs: dict) -> Callable:
+    """``func`` as called, with its input tensor replaced."""
+
+    def call(t: torch.Tensor):
+        if args:
+            return func(t, *args[1:], **kwargs)
+        return func(**{**kwargs, "input": t})
+
+    return call
+
+
+class Executor(Protocol):
+    """Where this shard lives and how it talks to the others (``executors.ShardExecutor``)."""
+
+    grid: tuple[int, ...]
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    def local_part(self, t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None
+                   ) -> torch.Tensor: ...
+
+    def fits(self, shape: Sequence[int]) -> bool: ...
+
+    def allsum(self, partial: torch.Tensor) -> torch.Tensor: ...
+
+
+class ModulePath:
+    """Tracks which module is running, so errors can name it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.stack: list[str] = []
+        for name, module in model.named_modules():
+            label = f"'{name or '<root>'}' ({type(module).__name__})"
+            module.register_forward_pre_hook(lambda *_, label=label: self._enter(label))
+            module.register_forward_hook(lambda *_: self._leave())
+
+    # Hooks must return None: a forward hook's return value replaces the module's output.
+    def _enter(self, label: str) -> None:
+        self.stack.append(label)
+
+    def _leave(self) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return f"module {self.stack[-1]}" if self.stack else "the model's forward"
+
+
+def op_name(func: Callable) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    if "<locals>" in qual:  # F.max_pool2d and friends are boolean_dispatch wrappers
+        qual = getattr(func, "__name__", qual)
+    if qual.startswith("_TensorBase.") or qual.startswith("TensorBase."):
+        qual = "Tensor." + qual.split(".", 1)[1]
+    if qual == "__get__" and hasattr(func, "__self__"):
+        qual = f"Tensor.{func.__self__.__name__}"
+    module = getattr(func, "__module__", None) or ""
+    return f"{module}.{qual}" if module and not qual.startswith("Tensor.") else qual
+
+
+FIX_GENERIC = (
+    "Express the model with convolutions, pointwise layers and a global pooling head, or file an issue "
+    "naming this operation"
+)
+FLATTEN_FIX = "Flatten or reshape only after global pooling (e.g. AdaptiveAvgPool2d(1))"
+SPECIFIC_FIXES = {
+    "linear": "Apply Linear after global pooling (AdaptiveAvgPoolNd(1) + Flatten), or use a 1x1 convolution to mix "
+              "channels per position",
+    "reshape": FLATTEN_FIX, "view": FLATTEN_FIX, "view_as": FLATTEN_FIX, "reshape_as": FLATTEN_FIX,
+}

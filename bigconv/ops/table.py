@@ -1,0 +1,35 @@
+"""The op rules as one frozen table, merged from the rule modules' own tables.
+
+Each rule module (``layout``, ``reduce``, ``window``, ``norm``) exports constant tables of what it
+handles; nothing registers itself by being imported. A function claimed by two modules is a bug in
+the rules, and raises here, at import.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from . import layout, norm, reduce, window
+
+MODULES = (layout, reduce, window, norm)
+
+
+def _merge(name: str) -> Mapping:
+    merged: dict = {}
+    for module in MODULES:
+        for key, rule in getattr(module, name).items():
+            if key in merged:
+                raise RuntimeError(f"{key!r} has a rule in two modules of bigconv.ops ({name}); keep one")
+            merged[key] = rule
+    return MappingProxyType(merged)
+
+
+RULES: Mapping[Callable, Callable] = _merge("RULES")
+"""Rules for calls with a sharded argument: ``rule(mode, func, args, kwargs)``."""
+WHOLE_RULES: Mapping[Callable, Callable] = _merge("WHOLE_RULES")
+"""Rules for calls without one that may build a sharded result (factories, upsampling a whole map)."""
+PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
+"""Rules for tensor attributes (``x.shape``), by name."""
+LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
+"""Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
