@@ -11,6 +11,7 @@ another. What backward never reached (an unused parameter) is settled at ``finis
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 
 import torch
@@ -36,7 +37,12 @@ class GradBuckets:
             self.buckets[-1].append(p)
             size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, b in enumerate(self.buckets) for p in b}
-        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        # The hooks reach these buckets through a weak reference: a parameter holding a hook that holds
+        # the buckets that hold the parameter is a cycle the garbage collector does not see through a
+        # tensor, and it kept every dropped model's weights alive on a long-lived worker.
+        me = weakref.ref(self)
+        self.handles = [p.register_post_accumulate_grad_hook(lambda p, me=me: me() and me()._ready(p))
+                        for p in params]
         self.reset()
 
     def reset(self) -> None:

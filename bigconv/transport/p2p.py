@@ -167,6 +167,10 @@ class P2PLink:
             for work in works:
                 if not work.wait(timedelta(seconds=self.timeout)):
                     raise RuntimeError("wait returned False")
+            # A finished work still holds its tensors, among them the received halos whose grad_fn holds
+            # this exchange: a cycle through C++ that the garbage collector cannot see, which kept every
+            # graph with a whole-tensor gather (and the weights it saved) alive after its backward.
+            works.clear()
         except Exception as exc:
             peers = ", ".join(f"rank {self.ranks[p]}" for p in ex.peers())
             raise WorkerFailure(
