@@ -30,6 +30,14 @@ def test_parallelize_rejects(world, rpc_calls, model, grid, match):
     assert rpc_calls == []
 
 
+@pytest.mark.world(4)
+@pytest.mark.parametrize("transport", ["nccl", "P2P", None])
+def test_unknown_transport_is_refused(world, rpc_calls, transport):
+    with pytest.raises(ValueError, match=r"transport must be one of 'p2p', 'rpc' .*got " + repr(transport)):
+        bigconv.parallelize(CNN2D(), world, grid=(2, 2), transport=transport)
+    assert rpc_calls == []
+
+
 class SpatialLinear(nn.Module):
     """A Linear applied along the width axis: cannot be split by rows of the image."""
 
