@@ -34,6 +34,8 @@ from ..transport import WorkerFailure, worker_name
 log = logging.getLogger(__name__)
 
 DRIVER = "driver"
+DEAD_CHECK_S = 0.05
+"""How often a driver waiting on its workers looks for a dead worker process."""
 
 # Allocator settings for CPU workers (measured in experiments/bench_core.py):
 # - A worker runs each forward on whichever RPC thread is free and its backward on autograd's
@@ -345,7 +347,11 @@ class World:
         halo reports which peer it is waiting for before the driver gives up on everyone.
         """
         deadline = time.monotonic() + 1.1 * self.timeout + 1.0
-        pause = 0.0005
+        # Woken by each future as it completes (no polling latency on a step's critical path), and at
+        # least every DEAD_CHECK_S to notice a worker process that died.
+        woken = threading.Event()
+        for _, fut in futures:
+            fut.add_done_callback(lambda _f: woken.set())
         self._waiting = True  # stays set if anything (Ctrl-C included) escapes this wait
         while True:
             dead = self.dead_workers()
@@ -376,8 +382,8 @@ class World:
                 late = sorted({n for n, f in futures if not f.done()})
                 self.broken = f"{', '.join(late)} did not finish {what} within {self.timeout:g}s"
                 raise WorkerFailure(self.broken)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+            woken.wait(DEAD_CHECK_S)
+            woken.clear()
 
     def settled(self, futures: Sequence, grace: float) -> bool:
         """Whether every future is done within ``grace`` seconds (e.g. every worker has failed the same
