@@ -30,7 +30,8 @@ Columns (one record per row in ``--out``):
   ``experiments.maxsize.search`` (predict, bracket, bisect; every probe in fresh processes, recorded
   in ``--probes``).
 - ``rel_err``: the largest relative difference ``|w - w_plain| / |w_plain|`` over the parameter
-  tensors after 2 SGD-momentum steps against plain PyTorch, in float64 at ``--check-size``.
+  tensors after 2 SGD-momentum steps against plain PyTorch, in float64 at ``--check-size``
+  (streaming on 2x2 tiles of it).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -92,8 +94,9 @@ def check_sizes(size: int, tile: int, check_size: int, depth: int, budget: int) 
     halo = depth  # a 3x3 conv per block: the tile must hold more than its lost border on each side
     if tile <= 4 * halo:
         raise ValueError(f"streaming tile {tile} is too small for {depth} 3x3 layers: it must exceed {4 * halo}")
-    if check_size < 4:
-        raise ValueError(f"check size {check_size} must be at least 4 (a 2x2 grid of 2-pixel shards)")
+    if check_size // 2 <= 4 * halo:
+        raise ValueError(f"check size {check_size} is too small: streaming is checked on 2x2 tiles, which must "
+                         f"exceed {4 * halo} pixels, so it must be at least {8 * halo + 2}")
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -243,7 +246,8 @@ def _spmd(cfg: AltConfig) -> dict:
 
 def _weights_after_two_steps(cfg: AltConfig, world=None) -> list[torch.Tensor]:
     """Parameters (in ``CNN2D.parameters()`` order) after 2 float64 SGD-momentum steps at ``check_size``."""
-    c64 = replace(cfg, dtype="float64", size=cfg.check_size, tile=min(cfg.tile or cfg.check_size, cfg.check_size))
+    # Streaming is checked on 2x2 tiles of the check image, so that it really streams.
+    c64 = replace(cfg, dtype="float64", size=cfg.check_size, tile=cfg.check_size // 2 if cfg.tile else None)
     model, x, y = _build(c64, c64.size, torch.float64, seed=1)
     if cfg.method in SINGLE:
         run = _Single(cfg.method, model, x, c64.tile)
@@ -253,7 +257,8 @@ def _weights_after_two_steps(cfg: AltConfig, world=None) -> list[torch.Tensor]:
     if cfg.method == "bigconv_spmd":
         from bigconv.spmd import launch
 
-        return launch.run(_spmd_rank_weights, cfg.workers, (asdict(c64),), timeout=0.5 * cfg.timeout_s)[0]
+        got = launch.run(_spmd_rank_weights, cfg.workers, (asdict(c64),), timeout=0.5 * cfg.timeout_s)[0]
+        return [torch.from_numpy(a) for a in got]
     import bigconv
 
     net = bigconv.parallelize(Checkpointed(model) if cfg.method == "bigconv_checkpoint" else model, world)
@@ -277,7 +282,8 @@ def _spmd_rank_weights(cd: dict) -> list[torch.Tensor]:
         for _ in range(2):
             net.train_step(x, y, nn.CrossEntropyLoss())
         state = net.state_dict()
-    return [state[n].clone() for n, _ in model.named_parameters()]
+    # numpy arrays pickle by value; tensors would travel as shared-memory handles of a rank that has exited
+    return [state[n].detach().numpy().copy() for n, _ in model.named_parameters()]
 
 
 def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
@@ -310,7 +316,8 @@ def measure_here(cfg: AltConfig) -> dict:
             r["rel_err_dtype"], r["rel_err_size"] = "float64", cfg.check_size
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
-        record.update(status=classify(text + repr(exc.__cause__)), message=text[-2000:])
+        record.update(status=classify(text + repr(exc.__cause__)), message=text[-2000:],
+                      traceback=traceback.format_exc()[-4000:])
     else:
         record.update(status="ok", message=None, **r)
     finally:
@@ -353,11 +360,13 @@ class Plan:
     tile: int = 512
     check_size: int = 256
     width: int = 16
-    depth: int = 5
+    depth: int = 3
     steps: int = 2
     rounds: int = 2
     budget: int = GiB
     tolerance: float = 0.03
+    max_probes: int = 6
+    """Probes per size search, the fixed-size measurement included (it is the first probe)."""
     rows: tuple = ROWS
     out: str = "results/alternatives.jsonl"
     probes: str = "results/alternatives_maxsize.jsonl"
@@ -367,7 +376,7 @@ class Plan:
 
 def quick_plan(**kw) -> Plan:
     return Plan(**{**dict(size=128, tile=64, check_size=32, depth=3, steps=1, rounds=1, budget=64 * MiB,
-                          tolerance=0.1, rows=(("plain", 1), ("checkpoint", 1), ("offload", 1), ("streaming", 1),
+                          tolerance=0.1, max_probes=2, rows=(("plain", 1), ("checkpoint", 1), ("offload", 1), ("streaming", 1),
                                                ("bigconv_driver", 4), ("bigconv_spmd", 4),
                                                ("bigconv_checkpoint", 4)),
                           out="results/alternatives_quick.jsonl", probes="results/alternatives_quick_maxsize.jsonl",
@@ -394,6 +403,9 @@ def run_table(p: Plan, echo=print) -> list[dict]:
             cfg = _config(p, *row, size=p.size, check_size=p.check_size if r == 0 else None)
             rec = measure_fresh(cfg)
             rounds[row].append(rec)
+            if r == 0 and rec["status"] == "ok":  # also the size search's first probe (its peak is read first)
+                records.append(p.probes, {**rec, "config": {**rec["config"], "check_size": None},
+                                          "purpose": "maxsize"})
             echo(f"round {r + 1}/{p.rounds} {row[0]} x{row[1]}: {rec['status']} "
                  f"peak {(rec.get('peak_bytes_max') or 0) / MiB:.1f} MiB, step {rec.get('step_s') or 0:.3f} s"
                  + (f", rel_err {rec['rel_err']:.2e}" if "rel_err" in rec else "")
@@ -404,10 +416,9 @@ def run_table(p: Plan, echo=print) -> list[dict]:
         first = recs[0]
         ok = [r for r in recs if r["status"] == "ok"]
         peak = max((r["peak_bytes_max"] for r in ok), default=None)
-        start = int(p.size * (0.95 * p.budget / peak) ** 0.5) if peak else p.size
-        base = _config(p, *row, size=p.size, steps=1)
-        found = maxsize.search(base, p.budget, start, out=p.probes, tolerance=p.tolerance, runner=measure_fresh,
-                               echo=lambda m: None)
+        base = _config(p, *row, size=p.size)
+        found = maxsize.search(base, p.budget, p.size, out=p.probes, tolerance=p.tolerance, runner=measure_fresh,
+                               echo=lambda m: None, max_probes=p.max_probes)
         steps = [r["step_s"] for r in ok]
         rec = {"bench": "alternatives", "method": row[0], "processes": row[1], "size": p.size,
                "peak_bytes": peak, "peak_bytes_per_process": first.get("per_worker") and

