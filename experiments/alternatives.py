@@ -376,9 +376,9 @@ class Plan:
 
 def quick_plan(**kw) -> Plan:
     return Plan(**{**dict(size=128, tile=64, check_size=32, depth=3, steps=1, rounds=1, budget=64 * MiB,
-                          tolerance=0.1, max_probes=2, rows=(("plain", 1), ("checkpoint", 1), ("offload", 1), ("streaming", 1),
-                                               ("bigconv_driver", 4), ("bigconv_spmd", 4),
-                                               ("bigconv_checkpoint", 4)),
+                          tolerance=0.1, max_probes=2,
+                          rows=(("plain", 1), ("checkpoint", 1), ("offload", 1), ("streaming", 1),
+                                ("bigconv_driver", 4), ("bigconv_spmd", 4), ("bigconv_checkpoint", 4)),
                           out="results/alternatives_quick.jsonl", probes="results/alternatives_quick_maxsize.jsonl",
                           timeout=300.0, quick=True), **kw})
 
@@ -423,7 +423,8 @@ def run_table(p: Plan, echo=print) -> list[dict]:
         rec = {"bench": "alternatives", "method": row[0], "processes": row[1], "size": p.size,
                "peak_bytes": peak, "peak_bytes_per_process": first.get("per_worker") and
                [w.get("peak_bytes") for w in first["per_worker"]], "driver_peak_bytes": first.get("driver_peak_bytes"),
-               "step_s": statistics.median(steps) if steps else None, "step_s_per_round": [r.get("step_s") for r in recs],
+               "step_s": statistics.median(steps) if steps else None,
+               "step_s_per_round": [r.get("step_s") for r in recs],
                "max_edge_1gib" if p.budget == GiB else "max_edge_budget": found["max_size"],
                "max_edge_budget_bytes": p.budget, "first_failing_edge": found["first_failing_size"],
                "rel_err": first.get("rel_err"), "rel_err_dtype": first.get("rel_err_dtype"),
@@ -452,7 +453,8 @@ def table(recs: list[dict]) -> list[str]:
         edge = r.get("max_edge_1gib") or r.get("max_edge_budget")
         pk, st, err = r.get("peak_bytes"), r.get("step_s"), r.get("rel_err")
         if not (pk and st):
-            rows.append(f"| {r['method']} | {r['processes']} | {r.get('status')}: {r.get('message')} | | | | {edge} | |")
+            rows.append(f"| {r['method']} | {r['processes']} | {r.get('status')}: {r.get('message')} | | | | "
+                        f"{edge} | |")
             continue
         rel_pk = f"{pk / plain['peak_bytes']:.2f}" if plain else ""
         rel_st = f"{st / plain['step_s']:.2f}" if plain else ""
@@ -474,14 +476,23 @@ def main(argv=None) -> None:
     parser.add_argument("--out")
     parser.add_argument("--probes")
     parser.add_argument("--figure", default=None, help="figure path stem (default figures/alternatives[_quick])")
+    parser.add_argument("--report", action="store_true", help="only print the table and draw the figure from the "
+                        "records already in --out (the last record of each row)")
     args = parser.parse_args(argv)
     if args.one:
         print(MARK + json.dumps(measure_here(AltConfig(**json.loads(args.one)))), flush=True)
         return
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "one", "figure") and v is not None}
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "one", "figure", "report") and v is not None}
     p = quick_plan(**given) if args.quick else Plan(**given)
     check_sizes(p.size, p.tile, p.check_size, p.depth, p.budget)
-    recs = run_table(p)
+    if args.report:
+        last = {}
+        for r in records.load(p.out):
+            if r.get("bench") == "alternatives":
+                last[(r["method"], r["processes"])] = r
+        recs = [last[row] for row in p.rows if row in last]
+    else:
+        recs = run_table(p)
     print("\n".join(table(recs)))
     from plots import alternatives as plot
 

@@ -30,7 +30,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -161,6 +161,10 @@ def _batches(data: ContextData, s: Setting, seed: int):
         yield x, y
 
 
+def _last(loss) -> float:
+    return loss.item() if torch.is_tensor(loss) else float(loss)
+
+
 def _accuracy(predict, x: torch.Tensor, y: torch.Tensor, chunk: int = 16) -> float:
     right = 0
     with torch.no_grad():
@@ -183,7 +187,7 @@ def run_whole(s: Setting, layout: Layout, seed: int, world) -> dict:
     net.eval()
     xt, yt, _ = ContextData(layout, train=False).batch(s.test_images, _TEST_SEED)
     acc = _accuracy(lambda x: net(x).argmax(1), xt, yt)
-    return {"accuracy": acc, "train_loss_last": loss.item() if torch.is_tensor(loss) else float(loss), "processes": s.processes, "grid": list(grid),
+    return {"accuracy": acc, "train_loss_last": _last(loss), "processes": s.processes, "grid": list(grid),
             "input_size": s.size}
 
 
@@ -201,7 +205,7 @@ def run_mil(s: Setting, layout: Layout, seed: int) -> dict:
     model.eval()
     xt, yt, _ = ContextData(layout, train=False).batch(s.test_images, _TEST_SEED)
     acc = _accuracy(lambda x: (model(tiles(x, s.tile)) > 0).long(), xt, yt)
-    return {"accuracy": acc, "train_loss_last": loss.item() if torch.is_tensor(loss) else float(loss), "processes": 1, "grid": None, "input_size": s.tile,
+    return {"accuracy": acc, "train_loss_last": _last(loss), "processes": 1, "grid": None, "input_size": s.tile,
             "bag_size": (s.size // s.tile) ** 2, "mil_head": "torchmil.models.ABMIL"}
 
 
@@ -218,7 +222,7 @@ def run_downsampled(s: Setting, layout: Layout, seed: int) -> dict:
     model.eval()
     xt, yt, _ = ContextData(layout, train=False).batch(s.test_images, _TEST_SEED)
     acc = _accuracy(lambda x: model(shrink(x, s.shrink)).argmax(1), xt, yt)
-    return {"accuracy": acc, "train_loss_last": loss.item() if torch.is_tensor(loss) else float(loss), "processes": 1, "grid": None,
+    return {"accuracy": acc, "train_loss_last": _last(loss), "processes": 1, "grid": None,
             "input_size": s.size // s.shrink, "shrink": s.shrink}
 
 

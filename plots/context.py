@@ -9,6 +9,7 @@ every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one til
 from __future__ import annotations
 
 import argparse
+import os
 
 from bigconv.harness import records
 
@@ -26,7 +27,6 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import os
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in COLORS:
