@@ -2,6 +2,7 @@
 
     python -m experiments.context --quick      # 128² images, 1 seed, 2 dials: a smoke run (< 1 minute)
     python -m experiments.context              # 1024² images, 3 seeds x 4 dials x 3 methods -> results/context.jsonl
+    python -m experiments.context --report     # the table and figure from the saved records, training nothing
 
 The data (``experiments.context_data``): two 8-pixel real MNIST digits, a 6 and a 9, ``dial`` tiles
 apart on one row of a black image; the label is whether the 6 is left of the 9. Three ways to train
@@ -339,16 +340,23 @@ def main(argv=None) -> None:
     parser.add_argument("--shrink", type=int)
     parser.add_argument("--out")
     parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick])")
+    parser.add_argument("--report", action="store_true", help="train nothing: print the table and draw the figure "
+                        "from the records already in --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "figure") and v is not None}
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "figure", "report") and v is not None}
     s = quick_setting(**given) if args.quick else Setting(**given)  # every layout is checked here
     torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    sweep(s)
-    log.info("sweep: %.0f s this sitting", time.perf_counter() - t0)
-    mine = [r for r in records.load(s.out) if r.get("bench") == "context" and r["image_size"] == s.size
-            and r["tile_size"] == s.tile and r["steps"] == s.steps and r["dial"] in s.dials]
+    if not args.report:
+        t0 = time.perf_counter()
+        sweep(s)
+        log.info("sweep: %.0f s this sitting", time.perf_counter() - t0)
+    mine = [r for r in (records.load(s.out) if os.path.exists(s.out) else []) if r.get("bench") == "context"
+            and r["image_size"] == s.size and r["tile_size"] == s.tile and r["steps"] == s.steps
+            and r["dial"] in s.dials and r["seed"] in s.seeds and r["method"] in s.methods]
+    total = sum(r["train_s"] for r in mine)
+    print(f"{len(mine)} of {len(s.layouts) * len(s.seeds) * len(s.methods)} runs recorded; "
+          f"their training took {total / 60:.1f} min in all")
     print("\n".join(table(mine)))
     from plots import context as plot
 
