@@ -1,11 +1,12 @@
-"""The context benchmark: its data generator, its refusals and its quick run's records.
+"""The context benchmark: its data generator, its refusals, its CNN on bigconv and its quick run's records.
 
 The generator must put a 6 and a 9 exactly ``dial`` tiles apart on one row, label the image 1 exactly
 when the 6 is on the left, and build training and test images from disjoint halves of the real MNIST
 digits. A dial, size or tile that cannot be laid out is refused with a ValueError naming the limit
-before anything trains. ``python -m experiments.context --quick`` must write one record per (method,
-dial, seed) with the documented fields and units (the whole-image run on 4 bigconv workers) and skip
-every recorded run when rerun. A failure here points to ``experiments/context*.py`` or ``plots/context.py``.
+before anything trains. The whole-image CNN must train on 4 bigconv workers as in one process
+(float64). ``python -m experiments.context --quick`` must write one record per (method, dial, seed)
+with the documented fields and units (the whole-image run on 4 bigconv workers) and skip every
+recorded run when rerun. A failure here points to ``experiments/context*.py`` or ``plots/context.py``.
 """
 
 from __future__ import annotations
@@ -128,3 +129,19 @@ def test_same_data_order_for_every_method():
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert not all(torch.equal(p, q) for p, q in zip(a, c))
     assert np.isclose(s.shrink, 2)
+
+
+@pytest.mark.own_world
+@pytest.mark.timeout(180)
+def test_the_whole_image_cnn_trains_on_bigconv_as_in_one_process(exclusive):
+    """The ``whole`` method's CNN (dilated convs on maps thinner than their halos, BatchNorm, global max
+    pool) on 4 workers against one process in float64: ``bigconv.verify``'s verdict on every tensor."""
+    import bigconv
+    from bigconv.verify import compare_training
+
+    x, y, _ = ContextData(Layout(size=128, tile=32, dial=2.5), train=True).batch(2, seed=0)
+    torch.manual_seed(0)
+    model = context.ContextCNN(4).double()
+    with bigconv.World(workers=4, threads_per_worker=1) as world:
+        r = compare_training(model, world, x.double(), y, torch.nn.CrossEntropyLoss(), grid=(2, 2))
+    assert r["exact"], r["worst"]
