@@ -1,6 +1,6 @@
 """What a one-device user would do instead of bigconv: memory, time and exactness side by side.
 
-    python -m experiments.alternatives --quick     # 128² image, small budget: a smoke run (< 5 minutes)
+    python -m experiments.alternatives --quick     # 128² image: a smoke run (about 2 minutes on 2 cores)
     python -m experiments.alternatives             # 2048², 1 GiB searches -> results/alternatives.jsonl
 
 One CNN every row can run: ``bigconv.models.CNN2D`` (``--depth`` conv+ReLU blocks of ``--width``
@@ -376,7 +376,7 @@ class Plan:
 
 def quick_plan(**kw) -> Plan:
     return Plan(**{**dict(size=128, tile=64, check_size=32, depth=3, steps=1, rounds=1, budget=64 * MiB,
-                          tolerance=0.1, max_probes=2,
+                          tolerance=0.1, max_probes=1,
                           rows=(("plain", 1), ("checkpoint", 1), ("offload", 1), ("streaming", 1),
                                 ("bigconv_driver", 4), ("bigconv_spmd", 4), ("bigconv_checkpoint", 4)),
                           out="results/alternatives_quick.jsonl", probes="results/alternatives_quick_maxsize.jsonl",
