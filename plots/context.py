@@ -27,6 +27,7 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.NullLocator below)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in COLORS:
@@ -37,13 +38,18 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
         acc = [[r["accuracy"] for r in mine if r["dial"] == d] for d in dials]
         mean = [sum(a) / len(a) for a in acc]
         label = LABELS[method].format(p=mine[0]["processes"], k=mine[0].get("shrink"))
-        ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} (n={min(map(len, acc))} seeds)")
+        lo, hi = min(map(len, acc)), max(map(len, acc))
+        seeds = f"{lo} seeds" if lo == hi else f"{lo}-{hi} seeds"
+        ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} ({seeds})")
         ax.fill_between(dials, [min(a) for a in acc], [max(a) for a in acc], color=COLORS[method], alpha=0.15)
         for d, a in zip(dials, acc):
             ax.scatter([d] * len(a), a, s=8, color=COLORS[method], alpha=0.6)
     ax.axhline(0.5, ls="--", color="grey", lw=1, label="chance")
     ax.axvline(1.0, ls=":", color="grey", lw=1)
     ax.set_xscale("log")
+    ticks = sorted({r["dial"] for r in recs} | {1.0})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("distance between the digits (tiles)")
     ax.set_ylabel("held-out accuracy")
     ax.set_ylim(0.3, 1.02)
