@@ -1,0 +1,81 @@
+"""Accuracy against the context dial, one line per method, from the context benchmark's saved records.
+
+    python -m plots.context results/context.jsonl --out figures/context
+
+Each method's line is its mean accuracy over seeds; the shaded band spans the seeds' min to max and
+every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bigconv.harness import records
+
+COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green"}
+LABELS = {"whole": "whole image (bigconv, {p} processes)", "mil": "tiles + attention MIL (torchmil ABMIL)",
+          "downsampled": "downsampled {k}x per side"}
+
+
+def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
+    """Write ``stem``.png and .pdf; the paths (none without records)."""
+    recs = [r for r in recs if r.get("bench") == "context"]
+    if not recs:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker.NullLocator below)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for method in COLORS:
+        mine = [r for r in recs if r["method"] == method]
+        if not mine:
+            continue
+        dials = sorted({r["dial"] for r in mine})
+        acc = [[r["accuracy"] for r in mine if r["dial"] == d] for d in dials]
+        mean = [sum(a) / len(a) for a in acc]
+        label = LABELS[method].format(p=mine[0]["processes"], k=mine[0].get("shrink"))
+        lo, hi = min(map(len, acc)), max(map(len, acc))
+        seeds = f"{lo} seeds" if lo == hi else f"{lo}-{hi} seeds"
+        ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} ({seeds})")
+        ax.fill_between(dials, [min(a) for a in acc], [max(a) for a in acc], color=COLORS[method], alpha=0.15)
+        for d, a in zip(dials, acc):
+            ax.scatter([d] * len(a), a, s=8, color=COLORS[method], alpha=0.6)
+    ax.axhline(0.5, ls="--", color="grey", lw=1, label="chance")
+    ax.axvline(1.0, ls=":", color="grey", lw=1)
+    ax.set_xscale("log")
+    ticks = sorted({r["dial"] for r in recs} | {1.0})
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("distance between the digits (tiles)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(0.3, 1.02)
+    r0 = recs[0]
+    ax.set_title(title or f"{r0['image_size']}² images, {r0['tile_size']}² tiles", fontsize=10)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.text(0.01, 0.005, f"commit {r0.get('commit')}, torch {r0.get('torch')}, "
+             f"{(r0.get('env') or {}).get('cores')} cores", fontsize=6, color="grey")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    paths = []
+    for ext in ("png", "pdf"):
+        fig.savefig(f"{stem}.{ext}", dpi=150)
+        paths.append(f"{stem}.{ext}")
+    plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results")
+    parser.add_argument("--out", default="figures/context", help="path stem (.png and .pdf are written)")
+    args = parser.parse_args(argv)
+    for p in draw(records.load(args.results), args.out):
+        print(p)
+
+
+if __name__ == "__main__":
+    main()
