@@ -205,7 +205,7 @@ def _single(cfg: AltConfig) -> dict:
 
 def _driver(cfg: AltConfig, world) -> dict:
     import bigconv
-    from bigconv import worker
+    from bigconv.runtime import worker
 
     dtype = getattr(torch, cfg.dtype)
     wrap = Checkpointed if cfg.method == "bigconv_checkpoint" else (lambda m: m)
@@ -255,7 +255,7 @@ def _weights_after_two_steps(cfg: AltConfig, world=None) -> list[torch.Tensor]:
             run.step(x, y)
         return [p.detach().clone() for p in model.parameters()]
     if cfg.method == "bigconv_spmd":
-        from bigconv.spmd import launch
+        from bigconv.runtime import spmd_launch as launch
 
         got = launch.run(_spmd_rank_weights, cfg.workers, (asdict(c64),), timeout=0.5 * cfg.timeout_s)[0]
         return [torch.from_numpy(a) for a in got]
@@ -329,7 +329,7 @@ def measure_here(cfg: AltConfig) -> dict:
 
 def measure_fresh(cfg: AltConfig) -> dict:
     """``measure_here`` in a new process (peak memory never resets across configurations)."""
-    from bigconv.world import WORKER_ENV
+    from bigconv.runtime.world import WORKER_ENV
 
     env = {**WORKER_ENV, **os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "experiments.alternatives", "--one", json.dumps(asdict(cfg))]
