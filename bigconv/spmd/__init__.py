@@ -5,11 +5,13 @@ backward is plain local autograd, and parameter gradients are summed over every 
 partial sums and data-parallel replicas alike) in buckets launched as backward produces them. The
 op rules, the executor and the dry run are the driver mode's own.
 
-Layout: ``world`` (process groups and the rank mesh), ``buckets`` (gradient allreduce overlapped
-with backward), ``model`` (the training API), ``launch`` (local ranks for tests and benchmarks).
+Layout: ``model`` (the training API, a front end on ``bigconv.engine``); ``world`` (process groups
+and the rank mesh) and ``launch`` (local ranks for tests and benchmarks) give the runtime layer's
+``spmd_world`` and ``spmd_launch`` their public names.
 """
 
+from . import launch
 from .model import SpmdModel
-from ..runtime.spmd_world import SpmdWorld
+from .world import SpmdWorld
 
-__all__ = ["SpmdModel", "SpmdWorld"]
+__all__ = ["SpmdModel", "SpmdWorld", "launch"]
