@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
-from torch.utils._pytree import tree_map
 
 GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
 SPATIAL_DIMS_ATTR = "_bigconv_spatial_dims"

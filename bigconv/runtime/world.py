@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed.rpc as rpc
