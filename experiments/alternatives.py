@@ -38,11 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -51,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from bigconv.harness import records
-from bigconv.harness.runner import MARK, ROOT, RunConfig, classify, describe
+from bigconv.harness.runner import MARK, ROOT, RunConfig, classify, describe, fresh_process
 from bigconv.memory import PeakMeter
 
 GiB = 2**30
@@ -329,26 +325,8 @@ def measure_here(cfg: AltConfig) -> dict:
 
 def measure_fresh(cfg: AltConfig) -> dict:
     """``measure_here`` in a new process (peak memory never resets across configurations)."""
-    from bigconv.runtime.world import WORKER_ENV
-
-    env = {**WORKER_ENV, **os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "experiments.alternatives", "--one", json.dumps(asdict(cfg))]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=cfg.timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return {**describe(cfg), "method": cfg.method, "status": "error",
-                "message": f"timed out after {cfg.timeout_s:g}s", "run_s": time.perf_counter() - t0}
-    for line in reversed(out.splitlines()):
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    status = "oom" if proc.returncode == -signal.SIGKILL else classify(err)
-    return {**describe(cfg), "method": cfg.method, "status": status,
-            "message": f"exit code {proc.returncode}: {err.strip()[-1000:]}", "run_s": time.perf_counter() - t0}
+    return fresh_process(["experiments.alternatives", "--one", json.dumps(asdict(cfg))], cfg.timeout_s,
+                         {**describe(cfg), "method": cfg.method}, {"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
 
 
 # ------------------------------------------------------------------------------------------ the table

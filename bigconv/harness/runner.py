@@ -248,17 +248,25 @@ def run_here(cfg: RunConfig, world=None) -> dict:
 
 def run_fresh(cfg: RunConfig, extra_env: dict | None = None) -> dict:
     """Run ``cfg`` in a new process; a record even if that process dies or runs out of time."""
+    return fresh_process(["bigconv.harness.runner", json.dumps(asdict(cfg))], cfg.timeout_s, describe(cfg),
+                         extra_env)
+
+
+def fresh_process(module_args: list[str], timeout_s: float, base: dict, extra_env: dict | None = None) -> dict:
+    """``python -m *module_args`` from the checkout, in a session of its own: the record it prints after
+    ``MARK``, or an error record built on ``base`` if it dies or runs out of time (then the whole
+    session, a driver and its workers, is killed)."""
     env = {**WORKER_ENV, **os.environ, **(extra_env or {})}
-    cmd = [sys.executable, "-m", "bigconv.harness.runner", json.dumps(asdict(cfg))]
+    cmd = [sys.executable, "-m", *module_args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=cfg.timeout_s)
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its workers: one session
+        os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        return {**describe(cfg), "status": "error", "message": f"timed out after {cfg.timeout_s:g}s",
+        return {**base, "status": "error", "message": f"timed out after {timeout_s:g}s",
                 "stderr_tail": err[-2000:], "run_s": time.perf_counter() - t0}
     for line in reversed(out.splitlines()):
         if line.startswith(MARK):
@@ -267,7 +275,7 @@ def run_fresh(cfg: RunConfig, extra_env: dict | None = None) -> dict:
         status, message = "oom", "the process was killed by SIGKILL (presumably the kernel's OOM killer)"
     else:
         status, message = classify(err), f"exit code {proc.returncode}: {err.strip()[-1000:]}"
-    return {**describe(cfg), "status": status, "message": message, "stderr_tail": err[-2000:],
+    return {**base, "status": status, "message": message, "stderr_tail": err[-2000:],
             "run_s": time.perf_counter() - t0}
 
 
