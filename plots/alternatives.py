@@ -9,10 +9,8 @@ matched plain PyTorch (rel_err <= 1e-9 in float64) are solid, the others hatched
 
 from __future__ import annotations
 
-import argparse
-import os
 
-from bigconv.harness import records
+from .output import cli, footer, save
 
 MiB = 2**20
 EXACT = 1e-9
@@ -50,25 +48,12 @@ def draw(recs: list[dict], stem: str) -> list[str]:
     r0 = recs[0]
     fig.suptitle(f"{r0['model']}, {r0['size']}², float32, 1 thread per process "
                  f"(hatched: weights not equal to plain within {EXACT:g} in float64)", fontsize=9)
-    fig.text(0.01, 0.005, f"commit {r0.get('commit')}, torch {r0.get('torch')}, "
-             f"{(r0.get('env') or {}).get('cores')} cores", fontsize=6, color="grey")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    paths = []
-    for ext in ("png", "pdf"):
-        fig.savefig(f"{stem}.{ext}", dpi=150)
-        paths.append(f"{stem}.{ext}")
-    plt.close(fig)
-    return paths
+    footer(fig, r0)
+    return save(fig, stem)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results")
-    parser.add_argument("--out", default="figures/alternatives", help="path stem (.png and .pdf are written)")
-    args = parser.parse_args(argv)
-    for p in draw(records.load(args.results), args.out):
-        print(p)
+    cli(draw, "figures/alternatives", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,8 @@ every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one til
 
 from __future__ import annotations
 
-import argparse
-import os
 
-from bigconv.harness import records
+from .output import cli, footer, save
 
 COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green"}
 LABELS = {"whole": "whole image (bigconv, {p} processes)", "mil": "tiles + attention MIL (torchmil ABMIL)",
@@ -56,25 +54,12 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
     r0 = recs[0]
     ax.set_title(title or f"{r0['image_size']}² images, {r0['tile_size']}² tiles", fontsize=10)
     ax.legend(fontsize=7, loc="lower left")
-    fig.text(0.01, 0.005, f"commit {r0.get('commit')}, torch {r0.get('torch')}, "
-             f"{(r0.get('env') or {}).get('cores')} cores", fontsize=6, color="grey")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    paths = []
-    for ext in ("png", "pdf"):
-        fig.savefig(f"{stem}.{ext}", dpi=150)
-        paths.append(f"{stem}.{ext}")
-    plt.close(fig)
-    return paths
+    footer(fig, r0)
+    return save(fig, stem)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results")
-    parser.add_argument("--out", default="figures/context", help="path stem (.png and .pdf are written)")
-    args = parser.parse_args(argv)
-    for p in draw(records.load(args.results), args.out):
-        print(p)
+    cli(draw, "figures/context", __doc__, argv)
 
 
 if __name__ == "__main__":
