@@ -7,6 +7,7 @@ shard-step every front end runs) -> ``runtime`` (processes, ``World``) -> the fr
 (``parallel`` for the driver mode, ``spmd`` for SPMD, with ``planning``) -> ``harness``/``verify``.
 """
 
+from .compat import allow_torchvision_without_ops
 from .parallel import ParallelModel, parallelize
 from .ops.shards import UnsupportedOperation
 from .transport import WorkerFailure
@@ -14,3 +15,7 @@ from .runtime.world import World
 
 __all__ = ["World", "parallelize", "ParallelModel", "UnsupportedOperation", "WorkerFailure"]
 __version__ = "0.1.0"
+
+# torchvision's CUDA wheel beside a CPU torch cannot load its compiled ops, and then `import torchvision`
+# (and timm, which imports it) fails; declaring the two op schemas it needs, only in that case, lets its models run.
+allow_torchvision_without_ops()

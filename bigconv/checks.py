@@ -22,6 +22,38 @@ def check_input(x, check_finite: bool) -> None:
         raise ValueError(f"x holds {bad} NaN or infinite values; clean the input (check_finite=True found them)")
 
 
+def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The floating dtype of the model's first floating parameter or buffer; None if it holds none."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None
+
+
+def check_dtype(x_dtype: torch.dtype, model_dtype: torch.dtype | None, sources: bool) -> None:
+    """The input's dtype against the model's, once the dry run has failed: PyTorch would say "Input type (unsigned char) and bias type
+    (float) should be the same", which names neither the fix nor which side to change."""
+    if model_dtype is None or x_dtype == model_dtype:
+        return
+    model_name = str(model_dtype).replace("torch.", "")
+    x_name = str(x_dtype).replace("torch.", "")
+    if sources:
+        raise ValueError(
+            f"the image sources give {x_name} but the model is {model_name}; open them with "
+            f"open_image(..., dtype={model_name!r}) (with scale=1/255 for 8-bit images), or convert the model "
+            f"with model.to(torch.{x_name})"
+        )
+    if not x_dtype.is_floating_point:
+        raise ValueError(
+            f"x is {x_name} but the model is {model_name}; convert the images first: "
+            f"x.to(torch.{model_name}) / 255 for 8-bit images (or open_image(..., scale=1/255) for files)"
+        )
+    raise ValueError(
+        f"x is {x_name} but the model is {model_name}; cast one to the other: x.to(torch.{model_name}) "
+        f"(x.float() or x.double()), or model.to(torch.{x_name})"
+    )
+
+
 def check_target(x, y, loss_fn: Callable, out_shape: tuple[int, ...]) -> None:
     """``y`` and ``loss_fn`` against the model's output shape ``out_shape`` (from the dry run); ``x``
     is a tensor or a list of image sources."""

@@ -77,6 +77,8 @@ class Planner:
         except UnsupportedOperation:
             raise
         except (RuntimeError, TypeError, IndexError, NotImplementedError) as exc:
+            # A model may cast its input itself, so a dtype mismatch is named only once the dry run failed.
+            checks.check_dtype(x.dtype, checks.model_dtype(self.meta), sources=isinstance(x, SourceBatch))
             raise ValueError(
                 f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
                 f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "

@@ -14,3 +14,15 @@ def test_torchvision_models_import_and_run():
 
     out = resnet18(weights=None, num_classes=3).eval()(torch.randn(1, 3, 32, 32))
     assert out.shape == (1, 3)
+
+
+def test_import_bigconv_alone_makes_timm_and_torchvision_importable():
+    """In a fresh interpreter (nothing applied the shim yet), ``import bigconv`` is enough."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import bigconv, timm, torchvision; print(torchvision.models.resnet18 is not None)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "True" in done.stdout, done.stderr[-2000:]

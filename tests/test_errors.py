@@ -165,3 +165,38 @@ def test_a_closed_world_is_refused(exclusive):
         pass
     with pytest.raises(ValueError, match="this World is closed; open a new one"):
         bigconv.parallelize(CNN2D(), world)
+
+
+@pytest.mark.world(4)
+@pytest.mark.parametrize("x,model_dtype,match", [
+    (torch.randint(0, 256, (1, 1, 8, 8), dtype=torch.uint8), torch.float32,
+     r"x is uint8 but the model is float32.*x.to\(torch.float32\) / 255.*scale=1/255"),
+    (torch.randn(1, 1, 8, 8), torch.float64, r"x is float32 but the model is float64.*x.to\(torch.float64\)"),
+    (torch.randn(1, 1, 8, 8, dtype=torch.float64), torch.float32, r"x is float64 but the model is float32.*x.float\(\)"),
+])
+def test_dtype_mismatch_names_both_dtypes_and_the_fix(world, rpc_calls, x, model_dtype, match):
+    net = bigconv.parallelize(CNN2D().to(model_dtype), world, grid=(2, 2))
+    rpc_calls.clear()
+    with pytest.raises(ValueError, match=match):
+        net(x)
+    assert rpc_calls == []
+
+
+def test_sources_of_another_dtype_name_open_image_dtype(tmp_path):
+    """Sources read as float32 (open_image's default) into a float64 model: the fix is open_image's dtype."""
+    import numpy as np
+
+    from bigconv.data import open_image
+    from bigconv.planning import Planner
+
+    np.save(tmp_path / "img.npy", np.zeros((1, 16, 16), dtype=np.uint8))
+    planner = Planner(CNN2D().double(), (2, 2), 4, check_finite=False)
+    with pytest.raises(ValueError, match=r"sources give float32 but the model is float64.*dtype='float64'"):
+        planner.plan([open_image(tmp_path / "img.npy", scale=1 / 255)], training=True)
+    plan = planner.plan([open_image(tmp_path / "img.npy", dtype="float64", scale=1 / 255)], training=True)
+    assert plan.grid == (2, 2)
+
+
+def test_unsupported_operation_is_a_value_error():
+    """The README promises a ValueError for refused ops; UnsupportedOperation keeps that promise."""
+    assert issubclass(bigconv.UnsupportedOperation, ValueError)
