@@ -1,0 +1,162 @@
+"""``python -m bigconv.check MODEL --input 1x3x4096x4096 --workers 4``: will my model work, and what will it cost?
+
+Before booking a cluster, on any laptop: whether the model decomposes (the dry run the front ends run
+before any remote work, on meta tensors: no memory), and if not, the module, the op and the fix; per
+windowed layer, the shard size, halo width, whether the map is split or replicated and the receptive
+field against the shard; an estimated per-process peak memory on N processes against one process
+(two measured small plain runs, scaled: see ``bigconv.harness.inspection``); and an exactness check
+on a small input (forward, input and parameter gradients, weights after a step, against one process
+in float64). ``--json`` prints one JSON object for scripts. Exit status: 0 when the model decomposes
+(and, where checked, trains exactly), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .geometry.boxes import choose_grid, validate_grid
+from .harness.inspection import as_dict, estimate_memory, layer_report
+from .harness.model_spec import FORMS, build_model
+from .ops.support import check_modules
+
+MiB = 2 ** 20
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) < 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 1x3x4096x4096 (batch x channels x spatial)")
+    return shape
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bigconv.check",
+        description="Will this model train with bigconv on this input, and what will each process need? "
+                    "Runs the dry run (no memory), reports every windowed layer's shard and halo, estimates "
+                    "the per-process peak from two small measured runs, and checks exactness on a small input.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help=f"the model: {FORMS}")
+    p.add_argument("--input", type=parse_shape, required=True, help="input shape, batch x channels x spatial")
+    p.add_argument("--workers", type=int, default=4, help="processes the input is split over")
+    p.add_argument("--grid", type=lambda t: tuple(int(v) for v in t.split("x")), default=None,
+                   help="shards per spatial dim, e.g. 2x2 (default: the balanced grid bigconv would choose)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory estimate (two small plain runs)")
+    p.add_argument("--memory-edges", type=lambda t: tuple(int(v) for v in t.split(",")), default=(128, 256),
+                   help="the two edges of the small plain runs the memory estimate is scaled from")
+    p.add_argument("--no-exact", action="store_true", help="skip the exactness check (it starts local workers)")
+    p.add_argument("--exact-size", type=int, default=64, help="edge of the exactness check's float64 input")
+    p.add_argument("--exact-workers", type=int, default=None,
+                   help="local workers of the exactness check (default: --workers, at most 4)")
+    return p
+
+
+def exactness(spec: str, shape: tuple[int, ...], workers: int) -> dict:
+    """``compare_training`` on a small float64 input: one process against ``workers`` local ones."""
+    from .runtime.world import World
+    from .verify import compare_training
+
+    torch.manual_seed(0)
+    model = build_model(spec).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    with torch.no_grad():
+        y = torch.randn_like(model(x))  # MSE against a random target of the output's shape
+    torch.manual_seed(0)
+    model = build_model(spec).double()
+    grid = choose_grid(shape[2:], workers)
+    with World(workers=workers) as world:
+        r = compare_training(model, world, x, y, torch.nn.MSELoss(), grid=grid, steps=1)
+    keys = ("forward", "input_grad", "param_grads", "weights")
+    return {"input": list(shape), "dtype": "float64", "workers": workers, "grid": list(grid), "exact": r["exact"],
+            "relative_errors": {k: r[k] for k in keys}, "worst": {k: r["worst"][k] for k in keys},
+            "tolerance": r.get("tol")}
+
+
+def check(args) -> dict:
+    shape = args.input
+    dims = len(shape) - 2
+    grid = validate_grid(args.grid, args.workers) if args.grid else choose_grid(shape[2:], args.workers)
+    if len(grid) != dims:
+        raise ValueError(f"--grid {grid} has {len(grid)} entries but the input has {dims} spatial dims")
+    result = {"model": args.model, "input": list(shape), "workers": args.workers, "grid": list(grid)}
+    model = build_model(args.model)
+    try:
+        check_modules(model)
+        rows, error = layer_report(model, shape, grid)
+    except ValueError as exc:
+        rows, error = [], exc
+    result["decomposable"] = error is None
+    result["refusal"] = None if error is None else {"error": type(error).__name__, "message": str(error)}
+    result["layers"] = [as_dict(r) for r in rows]
+    result["memory"] = None
+    if not (args.no_memory or error):
+        try:
+            result["memory"] = as_dict(estimate_memory(args.model, shape, args.workers, args.memory_edges))
+        except RuntimeError as exc:  # a small run the model cannot take (BatchNorm on 1x1 maps of one image)
+            result["memory"] = {"error": f"{exc}; try larger --memory-edges"}
+    if args.no_exact or error:
+        result["exactness"] = None
+    else:
+        small = (min(shape[0], 2) if shape[0] > 1 else 2, shape[1], *[args.exact_size] * dims)
+        result["exactness"] = exactness(args.model, small, args.exact_workers or min(args.workers, 4))
+    return result
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.0f} MiB" if n < 10 * 2 ** 30 else f"{n / 2 ** 30:,.1f} GiB"
+
+
+def _x(v) -> str:
+    return "x".join(str(i) for i in v) if v else "-"
+
+
+def report(r: dict) -> str:
+    lines = [f"bigconv check: {r['model']} on {_x(r['input'])}, {r['workers']} workers, grid {_x(r['grid'])}", ""]
+    if not r["decomposable"]:
+        lines += ["Decomposable: NO (found by the dry run, before any remote work)", "", r["refusal"]["message"]]
+        return "\n".join(lines)
+    lines += ["Decomposable: yes (dry run on meta tensors: every shard's forward, no memory used)", "",
+              f"{'layer':32} {'type':16} {'output':>11} {'shard':>11} {'halo':>6}  {'map':10} receptive field"]
+    for row in r["layers"]:
+        fov = f"{row['receptive_field']} px (shard {_x(row['shard_input'])})"
+        lines.append(f"{row['module'][:32]:32} {row['kind'][:16]:16} {_x(row['output']):>11} {_x(row['shard']):>11} "
+                     f"{max(row['halo'] or [0]):>6}  {'split' if row['split'] else 'replicated':10} {fov}")
+    lines.append("(halo: widest, in input positions; receptive field: an upper bound, summed over the windowed "
+                 "layers so far)")
+    m = r["memory"]
+    if m and "error" in m:
+        lines += ["", f"Memory: not estimated: {m['error'][-600:]}"]
+    elif m:
+        lines += ["", f"Memory, estimated ({m['method']}):",
+                  f"  one process: {_mib(m['single_bytes'])}; each of {r['workers']} processes: "
+                  f"{_mib(m['per_process_bytes'])} (single / {r['workers']}: {_mib(m['ideal_per_process_bytes'])})"]
+    e = r["exactness"]
+    if e:
+        errs = ", ".join(f"{k} {v:.1e}" for k, v in e["relative_errors"].items())
+        lines += ["", f"Exactness on {_x(e['input'])} float64, {e['workers']} workers, grid {_x(e['grid'])}: "
+                  f"{'EXACT' if e['exact'] else 'NOT EXACT'} (worst relative errors: {errs})"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        r = check(args)
+    except ValueError as exc:
+        print(f"bigconv check: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(r, indent=1) if args.json else report(r))
+    ok = r["decomposable"] and (r["exactness"] is None or r["exactness"]["exact"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``python -m bigconv.check``: the newcomer's "will my model work?" answers what the engine does.
+
+A decomposable zoo model gets its layers (shards, halos, split or replicated), a memory estimate
+and an exactness verdict; a refused zoo model gets the module, the op and the fix, and exit status 1.
+A failure here points to ``bigconv/check.py`` or ``bigconv/harness/inspection.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bigconv.check import report
+from bigconv.harness.inspection import Window, halo_width, layer_report
+from bigconv.harness.model_spec import build_model, parse_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_check(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bigconv.check", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_decomposable_zoo_model_reports_layers_memory_and_exactness():
+    done = run_check("torchvision:resnet18:num_classes=3", "--input", "1x3x512x512", "--workers", "4", "--json",
+                     "--memory-edges", "64,128", "--exact-size", "32", "--exact-workers", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout)
+    assert r["decomposable"] and r["refusal"] is None and r["grid"] == [2, 2]
+    conv1 = r["layers"][0]
+    # 7x7 stride-2 padding-3 stem: 256x256 output, 128x128 per shard, a halo of 3 input rows
+    assert (conv1["module"], conv1["output"], conv1["shard"], conv1["halo"]) == ("conv1", [256, 256], [128, 128],
+                                                                               [3, 3])
+    assert r["layers"][-1]["module"] == "fc" and not r["layers"][-1]["split"]
+    assert r["layers"][-2]["receptive_field"] == 435  # ResNet-18's known receptive field
+    m = r["memory"]
+    assert m["measured"]["128"] > m["measured"]["64"] > 0
+    assert m["ideal_per_process_bytes"] <= m["per_process_bytes"] < m["single_bytes"]
+    e = r["exactness"]
+    assert e["exact"] and e["workers"] == 2 and max(e["relative_errors"].values()) <= e["tolerance"]
+
+
+def test_a_refused_zoo_model_names_module_op_and_fix():
+    done = run_check("timm:tresnet_m", "--input", "1x3x256x256", "--workers", "4", "--json")
+    assert done.returncode == 1, done.stderr[-3000:]
+    r = json.loads(done.stdout)
+    assert not r["decomposable"] and r["memory"] is None and r["exactness"] is None
+    msg = r["refusal"]["message"]
+    assert "SpaceToDepth" in msg and "view" in msg and "AdaptiveAvgPool2d(1)" in msg  # module, op, fix
+    assert "Decomposable: NO" in report(r) and "SpaceToDepth" in report(r)
+
+
+def test_bad_arguments_name_the_fix():
+    done = run_check("resnet18", "--input", "1x3x64x64", "--no-memory", "--no-exact")
+    assert done.returncode == 2 and "timm:resnet50" in done.stderr
+    done = run_check("timm:resnet18", "--input", "64x64")
+    assert done.returncode == 2 and "1x3x4096x4096" in done.stderr
+
+
+def test_replicated_maps_and_halos_follow_the_grid():
+    """On a 4x1 grid, a map pooled to 2 rows (fewer than the 4 shards) runs whole on every worker until an
+    upsampling makes it large enough to split again."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.MaxPool2d(8),
+                                torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.Upsample(scale_factor=8),
+                                torch.nn.Conv2d(2, 2, 3, padding=1))
+    rows, error = layer_report(model, (1, 1, 16, 16), (4, 1))
+    assert error is None
+    assert [(r.module, r.split) for r in rows] == [("0", True), ("1", False), ("2", False), ("4", True)]
+    assert rows[0].halo == [1, 0]  # a 3x3 conv: one row from each neighbour, nothing across the uncut axis
+    assert rows[1].shard == [2, 2] and rows[2].halo == [0, 0]  # whole maps need no halo
+    assert rows[2].receptive_field == 3 + 7 + 2 * 8  # the conv after the pool sees 8 image pixels per position
+
+
+def test_halo_width_of_a_dilated_window_on_thin_shards():
+    # a dilation-4 3x3 conv with padding 4 over 4 shards of 10 rows reads 4 rows beyond each shard
+    assert halo_width(Window(3, 1, 4, 4, 4), 40, 40, 4) == 4
+    assert halo_width(Window(3, 1, 4, 4, 4), 40, 40, 1) == 0
+
+
+def test_model_specs_and_file_builders(tmp_path):
+    assert parse_kwargs("spatial_dims=2,channels=(4,8),norm=batch") == {"spatial_dims": 2, "channels": (4, 8),
+                                                                        "norm": "batch"}
+    (tmp_path / "mine.py").write_text("import torch\ndef build():\n    return torch.nn.Conv2d(1, 2, 3)\n")
+    assert isinstance(build_model(f"{tmp_path / 'mine.py'}:build"), torch.nn.Conv2d)
+    with pytest.raises(ValueError, match="my_model.py:build"):
+        build_model(f"{tmp_path / 'missing.py'}:build")
