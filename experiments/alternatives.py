@@ -49,6 +49,7 @@ import torch.nn as nn
 from bigconv.harness import records
 from bigconv.harness.runner import MARK, ROOT, RunConfig, classify, describe, fresh_process
 from bigconv.memory import PeakMeter
+from bigconv.harness import cli
 
 GiB = 2**30
 MiB = 2**20
@@ -442,17 +443,18 @@ def table(recs: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
+    parser = cli.parser("experiments.alternatives", __doc__)
+    parser.add_argument("--quick", action="store_true", help="the 2-core CPU scale (smaller image, fewer rounds)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one fresh-process measurement
-    parser.add_argument("--size", type=int)
-    parser.add_argument("--tile", type=int)
-    parser.add_argument("--check-size", type=int, dest="check_size")
-    parser.add_argument("--depth", type=int)
-    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--size", type=int, help="image edge (default: the scale's)")
+    parser.add_argument("--tile", type=int, help="lightstream's streaming tile edge (default: the scale's)")
+    parser.add_argument("--check-size", type=int, dest="check_size",
+                        help="edge of the float64 exactness check (default: the scale's)")
+    parser.add_argument("--depth", type=int, help="conv blocks of CNN2D (default: the scale's)")
+    parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default: the scale's)")
     parser.add_argument("--budget", type=int, help="bytes per process for the size search")
-    parser.add_argument("--out")
-    parser.add_argument("--probes")
+    parser.add_argument("--out", help="results file (default results/alternatives[_quick].jsonl)")
+    parser.add_argument("--probes", help="results file of the size search (default results/alternatives_maxsize.jsonl)")
     parser.add_argument("--figure", default=None, help="figure path stem (default figures/alternatives[_quick])")
     parser.add_argument("--report", action="store_true", help="only print the table and draw the figure from the "
                         "records already in --out (the last record of each row)")

@@ -25,7 +25,6 @@ Prints a markdown table and appends one JSON line per measurement to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -36,6 +35,7 @@ import bigconv
 from bigconv.runtime.world import WORKER_ENV
 from bigconv.harness.spmd_workload import train_spmd
 from bigconv.harness.workload import Workload, environment, plain_in_fresh_process, train_distributed
+from bigconv.harness import cli
 
 MiB = 2**20
 
@@ -173,13 +173,14 @@ def _tables(args, w: Workload, base: dict, memory, timing, memory_head: str, tim
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=2048)
+    parser = cli.parser("experiments.bench_core", __doc__)
+    parser.add_argument("--size", type=int, default=2048, help="image edge (CNN2D, one image)")
     parser.add_argument("--workers", default="1,2,4", help="worker counts for the memory table")
     parser.add_argument("--steps", type=int, default=3, help="measured steps after one warm-up step")
-    parser.add_argument("--out", default="results/bench_core.jsonl")
+    parser.add_argument("--out", default="results/bench_core.jsonl", help="results file the records are appended to")
     parser.add_argument("--skip-time", action="store_true", help="memory table only")
-    parser.add_argument("--mode", choices=["driver", "spmd"], default="driver")
+    parser.add_argument("--mode", choices=["driver", "spmd"], default="driver",
+                        help="driver: a driver and its workers; spmd: ranks with no driver")
     parser.add_argument("--transport", choices=["p2p", "rpc"], default="p2p",
                         help="the driver mode's transport for the memory table (the time table runs both)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the driver-mode time table")

@@ -12,7 +12,6 @@ state and generator states only.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -22,6 +21,7 @@ import torch
 import bigconv
 from bigconv.harness import records, registry
 from bigconv.harness.workload import environment
+from bigconv.harness import cli
 
 MiB = 2**20
 
@@ -67,11 +67,12 @@ def measure(name: str, size: int, world: bigconv.World, folder: str) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="cnn2d,unet")
-    parser.add_argument("--size", type=int, default=2048)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default="results/checkpoint_cost.jsonl")
+    parser = cli.parser("experiments.checkpoint_cost", __doc__)
+    parser.add_argument("--models", default="cnn2d,unet", help="comma-separated benchmark models")
+    parser.add_argument("--size", type=int, default=2048, help="image edge")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--out", default="results/checkpoint_cost.jsonl",
+                        help="results file the records are appended to")
     args = parser.parse_args(argv)
     env = environment()
     print("| model | parameters | file (KiB) | save (ms) | load (ms) | plain file (KiB) | plain save (ms) | "

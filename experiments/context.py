@@ -26,7 +26,6 @@ full sweep may span several sittings. The figure is drawn from the saved records
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 from bigconv.harness import records
 from experiments.context_data import CLASSES, ContextData, Layout, shrink, tiles
+from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
 
@@ -324,21 +324,23 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.context", __doc__)
     parser.add_argument("--quick", action="store_true", help="128² images, 1 seed, 2 dials, 6 steps")
-    parser.add_argument("--size", type=int)
-    parser.add_argument("--tile", type=int)
-    parser.add_argument("--digit", type=int)
+    parser.add_argument("--size", type=int, help="image edge (default: the scale's)")
+    parser.add_argument("--tile", type=int, help="tile edge of the MIL baseline (default: the scale's)")
+    parser.add_argument("--digit", type=int, help="edge of each MNIST digit pasted in (default: the scale's)")
     parser.add_argument("--dials", type=_floats, help="comma-separated, in tiles")
-    parser.add_argument("--seeds", type=_ints)
-    parser.add_argument("--methods", type=lambda t: tuple(t.split(",")))
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--test-images", type=int, dest="test_images")
-    parser.add_argument("--processes", type=int)
-    parser.add_argument("--shrink", type=int)
-    parser.add_argument("--out")
+    parser.add_argument("--seeds", type=_ints, help="seeds, comma-separated or a range like 0-2 (default: the scale's)")
+    parser.add_argument("--methods", type=lambda t: tuple(t.split(",")),
+                        help="comma-separated methods to train (default: all)")
+    parser.add_argument("--steps", type=int, help="training steps per run (default: the scale's)")
+    parser.add_argument("--batch", type=int, help="images per step (default: the scale's)")
+    parser.add_argument("--lr", type=float, help="learning rate (default: the scale's)")
+    parser.add_argument("--test-images", type=int, dest="test_images",
+                        help="held-out images per run (default: the scale's)")
+    parser.add_argument("--processes", type=int, help="bigconv workers (default: the scale's)")
+    parser.add_argument("--shrink", type=int, help="edge the shrunk-image baseline trains on (default: the scale's)")
+    parser.add_argument("--out", help="results file (default results/context[_quick].jsonl)")
     parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick])")
     parser.add_argument("--report", action="store_true", help="train nothing: print the table and draw the figure "
                         "from the records already in --out")

@@ -14,7 +14,6 @@ the accuracy its held-out test split.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from multidsn.train import model_config, task_only
 from multidsn.train import parse_args as train_args
 from multidsn.train_report import environment
 from multidsn.trainer import LocalDSN
+from bigconv.harness import cli
 
 
 def target_only(shift: str, seed: int, steps: int) -> float:
@@ -45,11 +45,13 @@ def target_only(shift: str, seed: int, steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m experiments.dsn_target_only", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shifts", type=lambda s: s.split(","), default=["mnistm", "noise"])
-    p.add_argument("--seed", type=int, default=0)
+    p = cli.parser("experiments.dsn_target_only", __doc__.split("\n\n")[0])
+    p.add_argument("--shifts", type=lambda s: s.split(","), default=["mnistm", "noise"],
+                   help="comma-separated target domains to train on their own labels")
+    p.add_argument("--seed", type=int, default=0, help="the seed")
     p.add_argument("--steps", type=int, default=3000, help="as multidsn.train's default")
-    p.add_argument("--out", default="results/multidsn_target_only.jsonl")
+    p.add_argument("--out", default="results/multidsn_target_only.jsonl",
+                   help="results file the records are appended to")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     stamp, env = time.strftime("%Y-%m-%dT%H:%M:%S"), environment()

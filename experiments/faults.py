@@ -34,6 +34,7 @@ import psutil
 
 from bigconv.harness import records
 from bigconv.harness.workload import environment
+from bigconv.harness import cli
 
 SCENARIOS = ("worker_kill_forward", "worker_kill_backward", "worker_kill_allreduce", "worker_stop", "driver_kill",
              "driver_int")
@@ -174,10 +175,10 @@ def run(scenario: str, timeout: float, folder: str) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.faults", __doc__)
     parser.add_argument("--only", default=",".join(SCENARIOS), help="comma-separated scenarios")
     parser.add_argument("--timeout", type=float, default=30.0, help="the World's timeout (seconds)")
-    parser.add_argument("--out", default="results/faults.jsonl")
+    parser.add_argument("--out", default="results/faults.jsonl", help="results file the records are appended to")
     parser.add_argument("--drive", choices=SCENARIOS, help=argparse.SUPPRESS)
     parser.add_argument("--log", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=1000, help=argparse.SUPPRESS)

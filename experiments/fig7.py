@@ -17,7 +17,6 @@ interrupted study resumes where it stopped.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import replace
 
@@ -28,6 +27,7 @@ from experiments import presets
 from experiments.maxsize import search
 from experiments.sweep import int_list, parse_amount, plan, run_sweep
 from multidsn.placement import workers_needed
+from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def maxsize_table(results: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.fig7", __doc__)
     parser.add_argument("--quick", action="store_true", help="the 2-core CPU scale")
     parser.add_argument("--sizes", type=int_list, default=None, help="sweep edges (default: the preset's)")
     parser.add_argument("--targets", type=int_list, default=None, help="K values (default 1,4,7)")
@@ -99,7 +99,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-maxsize", action="store_true", help="only the memory sweep")
     parser.add_argument("--tolerance", type=float, default=0.02, help="relative edge precision of the search")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where workers run (default: cuda if available)")
     progress.add_arguments(parser)
     args = parser.parse_args(argv)
     progress.setup(args)

@@ -21,7 +21,6 @@ each step figure is the median of the rounds' best steps, and the speedups are a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ import time
 import torch
 
 from bigconv.harness.records import append
+from bigconv.harness import cli
 
 
 def _plain_steps(size: int, box: tuple[tuple[int, int], tuple[int, int]] | None, steps: int, world=None) -> list:
@@ -70,11 +70,11 @@ def _rank(size: int, grid: tuple[int, int], steps: int, pair: bool) -> list:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="results/host_bound.jsonl")
+    parser = cli.parser("experiments.host_bound", __doc__)
+    parser.add_argument("--size", type=int, default=2048, help="image edge (CNN2D)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per phase and round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--out", default="results/host_bound.jsonl", help="results file the records are appended to")
     args = parser.parse_args(argv)
     from bigconv.harness.spmd_workload import train_spmd
     from bigconv.harness.workload import Workload, environment

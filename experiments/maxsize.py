@@ -17,7 +17,6 @@ holds the answer and its probes. The plain single process (``workers`` 0) is sea
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from dataclasses import asdict, replace
@@ -27,6 +26,7 @@ from bigconv.harness import records, registry
 from bigconv.harness.runner import RunConfig, run_fresh
 from experiments import presets
 from experiments.sweep import int_list, label, parse_amount, summary
+from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
 
@@ -132,20 +132,23 @@ def report(results: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(presets.PRESETS))
+    parser = cli.parser("experiments.maxsize", __doc__)
+    parser.add_argument("--preset", choices=sorted(presets.PRESETS),
+                        help="a study figure's configuration (sets model, workers and budget)")
     parser.add_argument("--quick", action="store_true", help="the preset's 2-core CPU scale")
-    parser.add_argument("--model", choices=sorted(registry.MODELS), default=None)
+    parser.add_argument("--model", choices=sorted(registry.MODELS), default=None,
+                        help="a benchmark model (instead of --preset)")
     parser.add_argument("--workers", type=int_list, default=None, help="worker counts, e.g. 1,2,4,8")
     parser.add_argument("--budget", type=parse_amount, default=None, help="per-worker memory, e.g. 16GiB")
     parser.add_argument("--start", type=parse_amount, default=None, help="first edge to probe (default: a guess)")
     parser.add_argument("--out", default=None, help="default results/<preset or model>[_quick]_maxsize.jsonl")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain single-process search")
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, default=None, help="images per step (default: the preset's, else 1)")
+    parser.add_argument("--width", type=int, default=16, help="conv channels")
+    parser.add_argument("--depth", type=int, default=3, help="conv blocks")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per probe")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="where workers run (default: cuda if available)")
     parser.add_argument("--tolerance", type=float, default=0.02, help="relative edge precision")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per probe")
     progress.add_arguments(parser)

@@ -13,13 +13,13 @@ glibc only (Linux); prints one line per step, worker 0 first.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib
 import os
 import threading
 
 import torch
+from bigconv.harness import cli
 
 _THREADS: set[int] = set()
 
@@ -63,11 +63,11 @@ def main(argv=None) -> None:
     probe = importlib.import_module("experiments.memory_probe")  # workers cannot unpickle __main__'s functions
     from bigconv.harness.workload import Workload
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="cnn3d")
-    parser.add_argument("--size", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser = cli.parser("experiments.memory_probe", __doc__)
+    parser.add_argument("--model", default="cnn3d", help="a benchmark model")
+    parser.add_argument("--size", type=int, default=64, help="input edge")
+    parser.add_argument("--workers", type=int, default=8, help="worker processes")
+    parser.add_argument("--steps", type=int, default=5, help="training steps")
     parser.add_argument("--mkl-cache", action="store_true",
                         help="workers keep MKL's buffer caching (MKL disables it for any non-empty value)")
     args = parser.parse_args(argv)

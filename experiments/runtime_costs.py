@@ -24,6 +24,7 @@ import bigconv
 from bigconv.runtime.world import WORKER_ENV
 from experiments.bench_core import append
 from bigconv.harness.workload import Workload, environment
+from bigconv.harness import cli
 
 OUT = "results/runtime_costs.jsonl"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -79,7 +80,8 @@ def worker_busy(steps: int = 4) -> dict:
             "busy_fraction": [(u + s) / wall for u, s in used]}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    cli.parser("experiments.runtime_costs", __doc__).parse_args(argv)  # --help describes the run; no options
     base = {"bench": "runtime_costs", "env": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for transports in ("uv", "shm,uv"):
         cpu = idle_cpu(transports)

@@ -11,7 +11,6 @@ gradient buckets (a 1-rank world exchanges no halos).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -19,13 +18,14 @@ import statistics
 import time
 
 import torch
+from bigconv.harness import cli
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--out", default="results/spmd_overhead.jsonl")
+    parser = cli.parser("experiments.spmd_overhead", __doc__)
+    parser.add_argument("--size", type=int, default=2048, help="image edge (CNN2D)")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating plain and 1-rank rounds")
+    parser.add_argument("--out", default="results/spmd_overhead.jsonl", help="results file the records are appended to")
     args = parser.parse_args(argv)
     from bigconv.runtime import spmd_launch as launch
 

@@ -28,6 +28,7 @@ from bigconv import progress
 from bigconv.harness import records, registry
 from bigconv.harness.runner import RunConfig, run_fresh
 from experiments import presets
+from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +138,10 @@ def _run_one(cfg, head, out, done, oom_at, written, t0, retry_errors, keep_going
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.sweep", __doc__)
     parser.add_argument("--preset", choices=sorted(presets.PRESETS), help="a study figure's configurations")
     parser.add_argument("--quick", action="store_true", help="the preset's 2-core CPU scale")
-    parser.add_argument("--model", choices=sorted(registry.MODELS))
+    parser.add_argument("--model", choices=sorted(registry.MODELS), help="a benchmark model (instead of --preset)")
     parser.add_argument("--sizes", type=int_list, help="input edges, e.g. 512,1K,2K (1D: lengths, e.g. 1M,4M)")
     parser.add_argument("--workers", type=int_list, help="worker counts, e.g. 1,2,4,8 (plain run always added)")
     parser.add_argument("--targets", type=int_list, default=None,
@@ -150,10 +151,10 @@ def main(argv=None) -> None:
     parser.add_argument("--replicas", type=int, default=None,
                         help="spmd: data-parallel replicas; each worker count must be a multiple (batch >= replicas)")
     parser.add_argument("--out", help="results file (default results/<preset>[_spmd][_quick].jsonl)")
-    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None, help="images per step (default: the preset's, else 1)")
     parser.add_argument("--width", type=int, default=None, help="conv channels (default 16; dsn 8)")
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--depth", type=int, default=3, help="conv blocks")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="parameter and input dtype")
     parser.add_argument("--steps", type=int, default=1, help="measured steps after one unmeasured step")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     parser.add_argument("--budget", type=parse_amount, default=None,

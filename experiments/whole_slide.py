@@ -3,17 +3,19 @@
     python -m experiments.whole_slide                       # 8 slides of 16,384^2, 4 workers
     python -m experiments.whole_slide --size 4096 --slides 4 --steps 2     # a quick look
 
-Writes synthetic RGB slides (level 0 plus 2 reduced levels, tiled pyramidal TIFF) into ``--folder``
-(kept for the next run), labels each by whether its tissue fraction is above the median, and trains
+Writes synthetic RGB slides (level 0 plus 2 reduced levels, tiled pyramidal TIFF) into OUT/slides
+(kept for the next run; about 2.7 GB for the 8 default slides), labels each by whether its tissue
+fraction is above the median, and trains
 ``bigconv.models.SlideCNN`` with slide-level labels on a local World of 4 CPU workers (grid 2x2),
 a batch of 2 slides per step. Each worker reads only its quarter of each slide; the driver sends
 paths and boxes. Then the trained stem predicts a dense feature map of one slide into a zarr array,
-each worker writing its region. Prints per-worker and driver peak memory against the slide's size.
+each worker writing its region, into OUT/prediction.zarr. Prints per-worker and driver peak memory
+against the slide's size. At the defaults: about 5 minutes and about 10 GiB of memory across the
+processes on 2 cores; both scale with the slide's area (``--size 4096``: about a sixteenth).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -27,6 +29,7 @@ from bigconv.runtime import worker
 from bigconv.data import open_image, synthetic_slide
 from bigconv.memory import PeakMeter
 from bigconv.models import SlideCNN
+from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
 MiB = 2**20
@@ -54,18 +57,23 @@ def tissue_fraction(path: str) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.whole_slide", __doc__)
     parser.add_argument("--size", type=int, default=16384, help="slide edge at level 0 (a multiple of 2048)")
-    parser.add_argument("--slides", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--folder", default=os.path.join(os.path.expanduser("~"), ".cache", "bigconv_slides"))
-    parser.add_argument("--out", default=None, help="the prediction's zarr (default: <folder>/prediction.zarr)")
+    parser.add_argument("--slides", type=int, default=8, help="synthetic slides to write and train on")
+    parser.add_argument("--steps", type=int, default=3, help="training steps")
+    parser.add_argument("--batch", type=int, default=2, help="slides per step")
+    parser.add_argument("--workers", type=int, default=4, help="worker processes")
+    parser.add_argument("--out", default="bigconv-demo",
+                        help="folder for the slides (OUT/slides, reused by the next run) and the prediction")
     progress.add_arguments(parser)
     args = parser.parse_args(argv)
     progress.setup(args)
-    paths = slides(args.folder, args.slides, args.size)
+    area = (args.size / 16384) ** 2
+    print(f"Writes {args.slides} synthetic slides of {args.size}^2 into {os.path.abspath(args.out)}/slides (about "
+          f"{2.7 * area * args.slides / 8:.2g} GB, kept for the next run), trains {args.steps} steps on "
+          f"{args.workers} workers and predicts one slide: about {max(1, round(5 * area))} min and "
+          f"{max(1, round(10 * area))} GiB of memory across the processes on 2 cores", flush=True)
+    paths = slides(os.path.join(args.out, "slides"), args.slides, args.size)
     fractions = [tissue_fraction(p) for p in paths]
     labels = torch.tensor([int(f > float(np.median(fractions))) for f in fractions])
     sources = [open_image(p, scale=1 / 255, fill=255) for p in paths]
@@ -92,7 +100,7 @@ def main(argv=None) -> None:
         stem.load_state_dict(net.state_dict())
         # the convolutions alone: a dense feature map at 1/16 of the edge
         features = bigconv.parallelize(torch.nn.Sequential(*list(stem)[:6]), world)
-        out = args.out or os.path.join(args.folder, "prediction.zarr")
+        out = os.path.join(args.out, "prediction.zarr")
         t0 = time.perf_counter()
         features.predict([sources[0]], out=out, overwrite=True)
         print(f"prediction of {os.path.basename(paths[0])} -> {out} ({time.perf_counter() - t0:.1f} s)")

@@ -30,7 +30,6 @@ the current check.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -49,6 +48,7 @@ import torch.nn as nn  # noqa: E402
 
 from bigconv.provenance import source_commit  # noqa: E402
 from bigconv.verify import ERROR_KEYS, NOISE_FACTOR, compare_training  # noqa: E402
+from bigconv.harness import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-9
@@ -303,8 +303,9 @@ def write_doc(doc: str, text: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="run only entries whose name contains one of these comma-separated substrings")
+    parser = cli.parser("experiments.zoo_coverage", __doc__)
+    parser.add_argument("--only", default="",
+                        help="run only entries whose name contains one of these comma-separated substrings")
     parser.add_argument("--fast", action="store_true", help="run only the fast subset")
     parser.add_argument("--resume", action="store_true",
                         help="skip models already recorded in --out under the current check")

@@ -34,6 +34,7 @@ from .placement import workers_needed
 from .recipes import METHODS, PaperRecipe
 from .train_report import report, summarize, write
 from .trainer import make_trainer
+from bigconv.harness import cli
 
 log = logging.getLogger("multidsn.train")
 
@@ -57,7 +58,7 @@ def _both(name: str, demo_note: str = "") -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of both recipes; options whose default depends on the recipe default to None here and
     get it in ``parse_args``."""
-    p = argparse.ArgumentParser(prog="python -m multidsn.train", description=__doc__.split("\n\n")[0])
+    p = cli.parser("multidsn.train", __doc__.split("\n\n")[0])
     p.add_argument("--recipe", choices=RECIPES, default="paper",
                    help="'paper': Bousmalis et al.'s MNIST -> MNIST-M configuration (multidsn.recipes.PaperRecipe: "
                         "TF dann_mnist networks, SGD with momentum and a decaying learning rate, weight decay, "

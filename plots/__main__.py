@@ -8,14 +8,14 @@ are passed over with a note.
 
 from __future__ import annotations
 
-import argparse
 
 from bigconv.harness import records
 from plots import dsn, study
+from bigconv.harness import cli
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("plots", __doc__)
     parser.add_argument("results", nargs="+", help="JSON-lines results files")
     parser.add_argument("--out", default="figures", help="output folder")
     args = parser.parse_args(argv)

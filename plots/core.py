@@ -8,9 +8,9 @@ names its source file and hardware.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+from bigconv.harness import cli
 
 MiB = 2**20
 
@@ -53,9 +53,9 @@ def draw(records: list[dict], source: str, out_dir: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results")
-    parser.add_argument("--out", default="figures")
+    parser = cli.parser("plots.core", __doc__)
+    parser.add_argument("results", help="JSON-lines results file")
+    parser.add_argument("--out", default="figures", help="output folder")
     args = parser.parse_args(argv)
     for path in draw(load(args.results), args.results, args.out):
         print(path)

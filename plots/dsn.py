@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections import defaultdict
 
 from bigconv.harness import records
 from plots.study import _footer, _plt, _save, latest_maxsize, limit_bytes
+from bigconv.harness import cli
 
 MiB = 2**20
 _STYLE = {"domain": "-", "encoder": "--"}
@@ -101,7 +101,7 @@ def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("plots.dsn", __doc__)
     parser.add_argument("results", nargs="+", help="JSON-lines results files of experiments.fig7")
     parser.add_argument("--out", default="figures", help="output folder")
     args = parser.parse_args(argv)

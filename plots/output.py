@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Callable
 
 from bigconv.harness import records
+from bigconv.harness.cli import parser as cli_parser
 
 
 def footer(fig, record: dict) -> None:
@@ -30,8 +30,8 @@ def save(fig, stem: str) -> list[str]:
 
 def cli(draw: Callable[[list, str], list[str]], default_stem: str, doc: str | None, argv=None) -> None:
     """``python -m plots.X RESULTS [--out STEM]``: draw the records of RESULTS, print the paths."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results")
+    parser = cli_parser(f"plots.{getattr(draw, '__module__', 'plots').rpartition('.')[2]}", doc)
+    parser.add_argument("results", help="JSON-lines results file")
     parser.add_argument("--out", default=default_stem, help="path stem (.png and .pdf are written)")
     args = parser.parse_args(argv)
     for p in draw(records.load(args.results), args.out):

@@ -9,11 +9,11 @@ times one worker's area or volume.
 
 from __future__ import annotations
 
-import argparse
 
 from bigconv.harness import records
 from experiments.maxsize import report
 from plots.study import latest_maxsize, memory_ratios, scaling_size
+from bigconv.harness import cli
 
 MiB = 2**20
 
@@ -35,8 +35,8 @@ def memory_table(runs: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+")
+    parser = cli.parser("plots.tables", __doc__)
+    parser.add_argument("results", nargs="+", help="JSON-lines results files")
     args = parser.parse_args(argv)
     for path in args.results:
         recs = records.load(path)

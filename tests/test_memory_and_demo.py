@@ -78,10 +78,11 @@ def test_own_padding_falls_back_when_a_shard_skips_rows():
 
 @pytest.mark.own_world
 @pytest.mark.timeout(240)
-def test_demo_runs(exclusive):
-    out = subprocess.run([sys.executable, "-m", "experiments.demo", "--size", "64", "--steps", "1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=200)
+def test_demo_runs(exclusive, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.demo", "--size", "64", "--steps", "1",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert f"wrote {tmp_path / 'demo.json'}" in out.stdout and (tmp_path / "demo.json").stat().st_size > 0
     assert "worker3: peak" in out.stdout and "single process: peak" in out.stdout
     # The two runs train the same model on the same image: their final losses agree to float32 rounding.
     found = re.search(r"final loss: distributed (\S+), single process (\S+) ", out.stdout)

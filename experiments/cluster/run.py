@@ -14,26 +14,26 @@ each time, as on a laptop.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import asdict
 
 from bigconv.harness import records, registry
 from bigconv.harness.runner import RunConfig, run_here
 from experiments.sweep import parse_amount, summary
+from bigconv.harness import cli
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="cnn2d", choices=sorted(registry.MODELS))
+    parser = cli.parser("experiments.cluster.run", __doc__)
+    parser.add_argument("--model", default="cnn2d", choices=sorted(registry.MODELS), help="a benchmark model")
     parser.add_argument("--size", type=parse_amount, required=True, help="input edge (1D: length, e.g. 8M)")
     parser.add_argument("--out", required=True, help="results file (JSON lines, appended by rank 0)")
     parser.add_argument("--plain", action="store_true", help="plain single process, no RPC (launch 1 process)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--depth", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, default=1, help="images per step")
+    parser.add_argument("--width", type=int, default=16, help="conv channels")
+    parser.add_argument("--depth", type=int, default=3, help="conv blocks")
+    parser.add_argument("--steps", type=int, default=1, help="measured training steps")
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"], help="where each worker runs")
     parser.add_argument("--budget", type=parse_amount, default=None, help="per-process cap, e.g. 16GiB")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds any wait of a step may take")
     args = parser.parse_args(argv)
