@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .geometry.boxes import choose_grid, validate_grid
+from .geometry.boxes import check_positive_int, choose_grid, validate_grid
 from .harness.inspection import as_dict, estimate_memory, layer_report
 from .harness.model_spec import FORMS, build_model
 from .ops.support import check_modules
@@ -83,6 +83,7 @@ def exactness(spec: str, shape: tuple[int, ...], workers: int) -> dict:
 def check(args) -> dict:
     shape = args.input
     dims = len(shape) - 2
+    check_positive_int(args.workers, "--workers")
     grid = validate_grid(args.grid, args.workers) if args.grid else choose_grid(shape[2:], args.workers)
     if len(grid) != dims:
         raise ValueError(f"--grid {grid} has {len(grid)} entries but the input has {dims} spatial dims")
@@ -105,7 +106,7 @@ def check(args) -> dict:
     if args.no_exact or error:
         result["exactness"] = None
     else:
-        small = (min(shape[0], 2) if shape[0] > 1 else 2, shape[1], *[args.exact_size] * dims)
+        small = (2, shape[1], *[args.exact_size] * dims)  # batch 2: BatchNorm needs two values per channel
         result["exactness"] = exactness(args.model, small, args.exact_workers or min(args.workers, 4))
     return result
 
