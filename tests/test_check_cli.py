@@ -90,3 +90,18 @@ def test_model_specs_and_file_builders(tmp_path):
     assert isinstance(build_model(f"{tmp_path / 'mine.py'}:build"), torch.nn.Conv2d)
     with pytest.raises(ValueError, match="my_model.py:build"):
         build_model(f"{tmp_path / 'missing.py'}:build")
+
+
+def test_the_terminal_report_names_every_part():
+    """The report a newcomer reads: the verdict, each layer's row, the memory estimate and exactness."""
+    rows, error = layer_report(build_model("bigconv:CNN2D"), (1, 1, 64, 64), (2, 2))
+    r = {"model": "bigconv:CNN2D", "input": [1, 1, 64, 64], "workers": 4, "grid": [2, 2], "decomposable": True,
+         "refusal": None, "layers": [vars(row) for row in rows],
+         "memory": {"method": "two plain runs", "single_bytes": 400 * 2**20, "per_process_bytes": 110 * 2**20,
+                    "ideal_per_process_bytes": 100 * 2**20},
+         "exactness": {"input": [2, 1, 64, 64], "workers": 4, "grid": [2, 2], "exact": True,
+                       "relative_errors": {"forward": 1e-16, "weights": 2e-16}}}
+    text = report(r)
+    assert "Decomposable: yes" in text and "features.0" in text and "32x32" in text  # a 2x2 grid's shard
+    assert "one process: 400 MiB; each of 4 processes: 110 MiB (single / 4: 100 MiB)" in text
+    assert "EXACT" in text and "forward 1.0e-16" in text
