@@ -23,7 +23,7 @@ def test_stride2_gradients_in_one_order_spmd():
     """The one-sided stride-2 exchange's gradient batch and the gradient allreduces: every rank issues
     them, per communicator, in one order (it did not: rank 0 posted two allreduces before the batch)."""
     per_rank = launch.run(nccl_cases.stride2_order, 2, timeout=150, env={"BIGCONV_COMM_CHECKS": "order,tag_free"})
-    assert per_rank[0] == per_rank[1]
+    assert per_rank[0]["mismatches"] == per_rank[1]["mismatches"]
     assert per_rank[0]["mismatches"] == [], "\n".join(per_rank[0]["mismatches"])
     assert per_rank[0]["tag_free"]  # the world handed the mode down to its links
 
@@ -176,3 +176,17 @@ def test_local_workers_bind_nccl_to_loopback(world):
 
     (value,) = world.call(nccl_cases.environment_variable, [("NCCL_SOCKET_IFNAME",)], "reading the environment")
     assert value == "=" + netbind.loopback_interface()
+
+
+def test_spmd_groups_made_after_startup_bind_to_the_world_interface(monkeypatch):
+    """Gloo reads GLOO_SOCKET_IFNAME at every group's creation: the mesh's groups (made at parallelize)
+    must be made inside the world's binding too, not on whatever the host name resolves to."""
+    import torch.distributed as dist
+
+    from bigconv.runtime.spmd_world import SpmdWorld
+
+    seen = []
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(dist, "new_group", lambda ranks: seen.append(os.environ.get("GLOO_SOCKET_IFNAME")) or "g")
+    assert SpmdWorld._new_group(SimpleNamespace(ifname="ib7"), [0, 1]) == "g"
+    assert seen == ["ib7"] and "GLOO_SOCKET_IFNAME" not in os.environ

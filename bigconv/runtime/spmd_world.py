@@ -76,7 +76,9 @@ class SpmdWorld:
             self._store = netbind.host_store(addr, port, timeout)
         else:
             self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout))
-        with netbind.bound_to(ifname or netbind.cluster_interface(addr)):
+        # Gloo reads its interface at every group's creation: the mesh's groups, made later, bind there too.
+        self.ifname = ifname or netbind.cluster_interface(addr)
+        with netbind.bound_to(self.ifname):
             # NCCL for CUDA tensors, gloo for CPU ones: halos and gradients take the tensor's own path.
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX, self._store), rank=rank,
@@ -85,7 +87,8 @@ class SpmdWorld:
         # The gradient sums get a communicator of their own: on the halos' one, a rank that only sends in a
         # one-sided exchange posts its gradient batch after a weight's allreduce and its peer before,
         # which NCCL (one stream per communicator) cannot run (transport.comm_checks records it).
-        self.grad_group = dist.new_group(list(range(size)))
+        with netbind.bound_to(self.ifname):
+            self.grad_group = dist.new_group(list(range(size)))
 
     @classmethod
     def from_env(cls, *, device: str = "auto", timeout: float = 300.0, env=None) -> "SpmdWorld":
@@ -114,13 +117,13 @@ class SpmdWorld:
             mine = None
             for r in range(replicas):  # every rank creates every group, in one order
                 ranks = list(range(r * spatial, (r + 1) * spatial))
-                group = dist.new_group(ranks) if replicas > 1 else dist.group.WORLD
+                group = self._new_group(ranks) if replicas > 1 else dist.group.WORLD
                 if self.rank in ranks:
                     mine = (r, ranks, group)
             replica_group, replica_ranks = None, None
             for s in range(spatial):
                 ranks = list(range(s, self.size, spatial))
-                group = dist.new_group(ranks) if spatial > 1 else dist.group.WORLD
+                group = self._new_group(ranks) if spatial > 1 else dist.group.WORLD
                 if self.rank % spatial == s:
                     replica_group, replica_ranks = group, tuple(ranks)
             r, ranks, group = mine
@@ -129,6 +132,10 @@ class SpmdWorld:
             self._meshes[replicas] = Mesh(replicas, spatial, r, self.rank % spatial, tuple(ranks), group,
                                           replica_group, replica_ranks)
         return self._meshes[replicas]
+
+    def _new_group(self, ranks: list[int]):
+        with netbind.bound_to(self.ifname):
+            return dist.new_group(ranks)
 
     def _warm_up(self, group) -> None:
         # NCCL creates a communicator lazily, and its first batched point-to-point call must involve every
