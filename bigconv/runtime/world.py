@@ -271,8 +271,9 @@ class World:
         down, then exits the process (or returns None with ``exit_workers=False``), so a script
         run on every rank continues on the driver only. The world's store listens on
         ``launch_env.LaunchInfo.port`` (clear of torchrun's own store) at the launch address only;
-        every rank's RPC and gloo sockets listen on one interface: ``BIGCONV_IFNAME``, else
+        every rank's RPC, gloo and NCCL sockets listen on one interface: ``BIGCONV_IFNAME``, else
         ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``, else the one that routes to the launch address.
+        ``device="cuda"`` needs a GPU per rank of a node (checked here, before any group exists).
         """
         if mode == "spmd":
             from .spmd_world import SpmdWorld
