@@ -3,6 +3,11 @@
 A process can hold only one RPC agent, and starting workers costs seconds on 2 cores, so tests
 declare the world size they need with ``@pytest.mark.world(n)``; tests are ordered by that size
 and the manager restarts the World only when the size changes.
+
+Worlds run on the CPU whatever the host has (a GPU host would otherwise turn the suite into NCCL runs).
+``BIGCONV_COMM_CHECKS`` (``order``, ``tag_free`` or both, see ``bigconv.transport.comm_checks``) runs the
+suite under NCCL's rules: the worlds read it when they are made; under ``order`` every test that used the
+shared World then checks that its workers issued their collectives and batches in one order.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ import pytest
 import torch
 
 import bigconv
+from bigconv.transport.comm_checks import CommChecks
 
 WORLD_TIMEOUT_S = 60.0
+CHECKS = CommChecks.from_env()
 
 
 class WorldManager:
@@ -24,7 +31,7 @@ class WorldManager:
         if w is not None and (w.workers != workers or w.broken):
             self.close()
         if self.world is None:
-            self.world = bigconv.World(workers=workers, timeout=WORLD_TIMEOUT_S)
+            self.world = bigconv.World(workers=workers, timeout=WORLD_TIMEOUT_S, device="cpu", comm_checks=CHECKS)
         return self.world
 
     def close(self) -> None:
@@ -62,7 +69,14 @@ def world(request, world_manager) -> bigconv.World:
     marker = request.node.get_closest_marker("world")
     if marker is None:
         raise RuntimeError("a test using the `world` fixture needs @pytest.mark.world(n)")
-    return world_manager.get(marker.args[0])
+    world = world_manager.get(marker.args[0])
+    if CHECKS.order:
+        world.comm_order_mismatches()  # start from this test's own traffic
+    yield world
+    if CHECKS.order and not world.broken and not world.closed:
+        problems = world.comm_order_mismatches()
+        assert not problems, "the workers issued their communication in orders NCCL cannot run:\n" + \
+            "\n".join(problems)
 
 
 @pytest.fixture

@@ -170,7 +170,8 @@ def adjoint(world) -> dict:
     grid, shape = (2, 2), (11, 9)
     mesh = world.mesh(1)
     rt = WorkerRuntime(index=mesh.shard, workers=4, device=world.device, timeout=world.timeout)
-    rt.link = P2PLink(mesh.spatial_group, mesh.spatial_ranks, mesh.shard, world.timeout, rt.stats)
+    rt.link = P2PLink(mesh.spatial_group, mesh.spatial_ranks, mesh.shard, world.timeout, rt.stats,
+                      device=world.device, tag_free=world.checks.tag_free)
     box = shard_box(shape, grid, list(all_coords(grid))[mesh.shard])
     g = torch.Generator().manual_seed(100 + world.rank)
     x = torch.randn(2, 3, *(b - a for a, b in box), generator=g, dtype=torch.float64, requires_grad=True)
@@ -252,13 +253,18 @@ def run_cases(names: list[str], timeout: float = 60.0) -> dict:
     torch.set_num_threads(1)
     table = {**all_cases(), **zoo_cases(), **SPECIAL}
     results = {}
-    with bigconv.World.from_env(mode="spmd", timeout=timeout) as world:
+    with bigconv.World.from_env(mode="spmd", device="cpu", timeout=timeout) as world:
         for name in names:
             start = time.perf_counter()
             try:
                 results[name] = table[name][1](world)
             except Exception as exc:
                 results[name] = f"{type(exc).__name__}: {exc}"
+            if world.checks.order:  # BIGCONV_COMM_CHECKS=order: one order of communication on every rank
+                problems = world.comm_order_mismatches()
+                if problems:
+                    results[name] = "the ranks issued their communication in orders NCCL cannot run:\n" + \
+                        "\n".join(problems)
             if isinstance(results[name], dict):
                 results[name]["seconds"] = time.perf_counter() - start
     return results
@@ -278,7 +284,7 @@ def case_sizes() -> dict[str, int]:
 def failing_rank(how: str, timeout: float) -> dict:
     """Rank 1 dies (``kill``) or stalls (``stall``) in the middle of a forward; rank 0 reports how long
     it took to raise, and what."""
-    world = bigconv.World.from_env(mode="spmd", timeout=timeout)
+    world = bigconv.World.from_env(mode="spmd", device="cpu", timeout=timeout)
     net = bigconv.parallelize(CNN2D(in_channels=1, num_classes=3), world, grid=(2, 1))
     net.optimizer(torch.optim.SGD, lr=0.1)
     x, y = torch.randn(2, 1, 32, 32), torch.tensor([0, 1])

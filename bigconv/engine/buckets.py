@@ -12,20 +12,22 @@ another. What backward never reached (an unused parameter) is settled at ``finis
 from __future__ import annotations
 
 import weakref
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..transport import WorkerFailure
+from ..transport import WorkerFailure, check_wire, wait_work
 
 BUCKET_BYTES = 25 * 2**20
+"""The default bucket size (read when buckets are made: a test sets 1 for one bucket per parameter)."""
 
 
 class GradBuckets:
     def __init__(self, params: list[torch.nn.Parameter], group, timeout: float,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int | None = None) -> None:
         self.group, self.timeout = group, timeout
+        self.device = params[0].device if params else torch.device("cpu")
+        bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.buckets: list[list[torch.nn.Parameter]] = []
         size = 0
         for p in reversed(params):
@@ -67,6 +69,7 @@ class GradBuckets:
     def _launch(self, i: int) -> None:
         group = self.buckets[i]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        check_wire([flat], self.device, "a gradient bucket")
         self.flights.append((i, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def reduce(self, grads: dict) -> None:
@@ -90,12 +93,12 @@ class GradBuckets:
         seen = dist.all_reduce(present, group=self.group, async_op=True)
         try:
             for i, flat, work in self.flights:
-                work.wait(timedelta(seconds=self.timeout))
+                wait_work(work, self.device, self.timeout)
                 offset = 0
                 for p in self.buckets[i]:
                     p.grad = flat[offset: offset + p.numel()].view_as(p)
                     offset += p.numel()
-            seen.wait(timedelta(seconds=self.timeout))
+            wait_work(seen, self.device, self.timeout)
         except Exception as exc:
             raise WorkerFailure(f"rank {dist.get_rank()}: the gradient allreduce did not complete within "
                                 f"{self.timeout:g}s (another rank died or stalled): {exc}") from exc

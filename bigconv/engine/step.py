@@ -21,7 +21,7 @@ import torch.nn as nn
 from .. import losses, saving
 from ..ops.mode import ShardMode
 from ..ops.shards import ModulePath, mark
-from ..transport import WorkerRuntime
+from ..transport import WorkerRuntime, check_wire
 from .buckets import GradBuckets
 from .executor import ShardExecutor
 
@@ -61,6 +61,7 @@ class ShardEngine:
         num, den = losses.shard_parts(loss_fn.to(out.device), out, target.to(out.device))
         sums = torch.stack([num.detach().double().reshape(()),
                             torch.tensor(float(den or 0.0), dtype=torch.float64, device=out.device)])
+        check_wire([sums], self.rt.device, "the loss's sum")
         dist.all_reduce(sums, group=group)
         if den is None:
             return num, sums[0]

@@ -53,13 +53,38 @@ def _load_nvml():
     return pynvml, None
 
 
-class NvmlSource:
-    """Per-process used memory and device utilization of one GPU through NVML."""
+def nvml_handle(nvml, cuda, device: torch.device) -> tuple[Any, str]:
+    """NVML's handle for the GPU that is ``device`` to CUDA, and how it was found.
 
-    def __init__(self, nvml, device_index: int, pid: int) -> None:
+    A CUDA ordinal counts only the GPUs this process sees (``CUDA_VISIBLE_DEVICES``, which SLURM and
+    jsrun set per rank), while NVML numbers every GPU of the node: ordinal 0 of a rank bound to GPU 3 is
+    NVML's GPU 3. The GPU's UUID, else its PCI bus id, names it alike on both sides; the ordinal is used
+    only when no GPU is hidden.
+    """
+    index = device.index or 0
+    props = cuda.get_device_properties(device) if cuda is not None else None
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None and hasattr(nvml, "nvmlDeviceGetHandleByUUID"):
+        text = str(uuid)
+        return nvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"), "uuid"
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None and hasattr(nvml, "nvmlDeviceGetHandleByPciBusId"):
+        bus_id = f"{getattr(props, 'pci_domain_id', 0):08X}:{bus:02X}:{getattr(props, 'pci_device_id', 0):02X}.0"
+        return nvml.nvmlDeviceGetHandleByPciBusId(bus_id), "pci_bus_id"
+    if os.environ.get("CUDA_VISIBLE_DEVICES") not in (None, ""):
+        raise RuntimeError(f"cannot tell which GPU cuda:{index} is under CUDA_VISIBLE_DEVICES="
+                           f"{os.environ['CUDA_VISIBLE_DEVICES']} (torch reports neither its UUID nor its PCI bus id)")
+    return nvml.nvmlDeviceGetHandleByIndex(index), "index"
+
+
+class NvmlSource:
+    """Per-process used memory and device utilization of one GPU through NVML (``handle``: see
+    ``nvml_handle``)."""
+
+    def __init__(self, nvml, handle, pid: int, found_by: str = "index") -> None:
         self.nvml = nvml
         self.pid = pid
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.handle, self.found_by = handle, found_by
         self.total_bytes = int(nvml.nvmlDeviceGetMemoryInfo(self.handle).total)
         self.name = nvml.nvmlDeviceGetName(self.handle)
         self.name = self.name.decode() if isinstance(self.name, bytes) else str(self.name)
@@ -130,9 +155,11 @@ class Recorder:
             module, reason = _load_nvml() if nvml is _UNSET else ((nvml, None) if nvml else (None, "disabled"))
             if module is not None:
                 try:
-                    self.nvml = NvmlSource(module, self.device.index or 0, pid)
+                    props_from = torch.cuda if cuda is _UNSET else cuda
+                    handle, found_by = nvml_handle(module, props_from, self.device)
+                    self.nvml = NvmlSource(module, handle, pid, found_by)
                 except Exception as exc:
-                    reason = f"NVML has no handle for GPU {self.device.index or 0}: {exc}"
+                    reason = f"NVML has no handle for GPU {self.device}: {exc}"
             if self.nvml is None:
                 self.missing["nvml"] = reason
         else:
@@ -199,6 +226,7 @@ class Recorder:
             rec["sources"].append("cuda_allocator")
         if self.nvml is not None:
             rec["gpu_name"] = self.nvml.name
+            rec["nvml_found_by"] = self.nvml.found_by
             rec["nvml_total_bytes"] = self.nvml.total_bytes
             if self._nvml_peak is not None:
                 rec["nvml_peak_used_bytes"] = self._nvml_peak

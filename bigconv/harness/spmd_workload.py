@@ -30,7 +30,9 @@ def _steps(w: Workload, world, grid, replicas: int, x=None, y=None, model=None) 
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
         t0 = time.perf_counter()
-        loss = net.train_step(x.to(world.device), y.to(world.device), loss_fn)
+        # The batch stays on the host: each rank moves only its own shard to its device, as a real run
+        # reading its region would (copying the whole image to every GPU timed n copies of it).
+        loss = net.train_step(x, y, loss_fn)
         if world.device.type == "cuda":
             torch.cuda.synchronize(world.device)
         if step:
@@ -63,7 +65,17 @@ def rank_main(wd: dict, grid, replicas: int, threads: int, device: str = "cpu", 
                 "loss": loss, "grid": list(net.plan(x).grid), "replicas": replicas, "stats": stats,
                 "halo_messages": stats.get("messages", 0), "halo_sent_bytes": stats.get("bytes", 0),
                 "halo_recv_bytes": stats.get("recv_bytes", 0), "halo_wait_s": stats.get("wait_s", 0.0),
-                "budget": budget, "device": str(world.device)}
+                "budget": budget, "device": str(world.device),
+                **({"memory_cap": memory_cap_note(memory_fraction)} if memory_fraction and world.device.type == "cuda"
+                   else {})}
+
+
+def memory_cap_note(fraction: float) -> dict:
+    """What an emulated card (``set_per_process_memory_fraction``) does and does not hold."""
+    return {"fraction": fraction, "caps": "PyTorch's caching allocator only",
+            "leaves_out": "the CUDA context, NCCL's communicator buffers and library workspaces allocated "
+                          "outside the caching allocator: a real card of that size holds less; NVML's "
+                          "per-process figure (nvml_max_used_bytes) counts them"}
 
 
 def train_spmd(w: Workload, ranks: int, grid=None, replicas: int = 1, threads: int = 1, device: str = "cpu",

@@ -113,8 +113,14 @@ def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_
         total_t = sum(p[2] for p in per)
         mean_all = sum(p[2] * p[0] for p in per) / total_t
         m2_all = sum(p[1] + p[2] * (p[0] - mean_all).square() for p in per)
-        total = float(total_t.reshape(-1)[0])
+        # Kept a tensor: float() here waited for the device in every BatchNorm layer of every step.
+        total = total_t.reshape(-1)[0]
     return mean_all, m2_all / total, total
+
+
+def _bessel(total):
+    """n / (n - 1), never dividing by zero; ``total`` a count or a 0-dim tensor of one (no host sync)."""
+    return total / max(total - 1, 1) if isinstance(total, (int, float)) else total / (total - 1).clamp_min(1)
 
 
 def _normalize(x, mean, var, eps, weight, bias, channel_view):
@@ -144,7 +150,7 @@ def _batch_norm(mode: ShardMode, func, args, kwargs):
     view = (1, -1) + (1,) * len(spatial)
     out = _normalize(x, mean, var, eps, b.get("weight"), b.get("bias"), view)
     _update_running(b.get("running_mean"), mean.reshape(-1), momentum)
-    _update_running(b.get("running_var"), var.reshape(-1) * (total / max(total - 1, 1)), momentum)
+    _update_running(b.get("running_var"), var.reshape(-1) * _bessel(total), momentum)
     return mark(out, shape)
 
 

@@ -19,13 +19,26 @@ class WorldClosedError(ValueError, RuntimeError):
 RPC_STORE_KEY = "bigconv-rpc"
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+def pick_device(kind: str, local_rank: int, local_size: int = 1) -> torch.device:
+    """This rank's device: ``cuda:local_rank`` needs a GPU of its own for each of the node's ``local_size``
+    ranks (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"); ``auto`` takes the GPUs only
+    when there are enough of them."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "cpu" or (kind == "auto" and gpus < max(1, local_size)):
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but this worker sees no GPU")
-    # Round-robin: several workers may share one GPU.
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if gpus == 0:
+        raise ValueError("device='cuda' was asked for but this process sees no GPU; use device='cpu'")
+    check_gpus_per_rank(local_size, gpus)
+    return torch.device("cuda", local_rank)
+
+
+def check_gpus_per_rank(local_size: int, gpus: int) -> None:
+    """One GPU per rank on a node, before any process group exists."""
+    if local_size > gpus:
+        raise ValueError(
+            f"device='cuda' with {local_size} ranks on this node but only {gpus} visible GPU(s): NCCL needs a GPU "
+            f"of its own for every rank. Start at most {gpus} rank(s) per node (e.g. torchrun --nproc-per-node "
+            f"{gpus}, or World(workers={gpus})), or use device='cpu'")
 
 
 def rpc_options(init_method: str, workers: int, timeout: float) -> rpc.TensorPipeRpcBackendOptions:

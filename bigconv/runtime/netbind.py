@@ -7,7 +7,9 @@ cluster world. Three kinds of sockets listen:
 - the world's TCP store (rank 0), which ``torch.distributed.TCPStore`` binds to ``::`` unless it is
   handed a socket that is already bound (``master_listen_fd``);
 - TensorPipe's transport listener (each process), on the interface named by ``TP_SOCKET_IFNAME``;
-- gloo's pairs (each process), on the interface named by ``GLOO_SOCKET_IFNAME``.
+- gloo's pairs (each process), on the interface named by ``GLOO_SOCKET_IFNAME``;
+- NCCL's bootstrap and socket transport (each CUDA process), on the interface named by
+  ``NCCL_SOCKET_IFNAME`` (``=name``: that interface exactly, not every name it prefixes).
 
 RPC's own ``tcp://`` rendezvous would host a second store on a wildcard; ``bigconv://`` instead
 hands RPC the world's store (under its own key prefix), so a world has exactly one store port.
@@ -26,6 +28,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 IFNAME_VARS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+NCCL_IFNAME_VAR = "NCCL_SOCKET_IFNAME"
 _STORES: dict[str, dist.Store] = {}
 
 
@@ -88,11 +91,20 @@ def cluster_interface(master_addr: str, env=None) -> str:
     return route_interface(master_addr)
 
 
+def nccl_ifname(ifname: str) -> str:
+    """``NCCL_SOCKET_IFNAME``'s value for exactly ``ifname`` (a bare name would match every interface
+    whose name starts with it)."""
+    return f"={ifname}"
+
+
 @contextlib.contextmanager
 def bound_to(ifname: str) -> Iterator[None]:
-    """TensorPipe and gloo, created inside this block, listen on ``ifname`` only."""
+    """TensorPipe and gloo, created inside this block, listen on ``ifname`` only; so does NCCL, whose
+    variable stays set after the block: NCCL creates its communicators (and reads the variable) lazily,
+    at a group's first collective, long after the process group was made."""
     saved = {k: os.environ.get(k) for k in IFNAME_VARS}
     os.environ.update({k: ifname for k in IFNAME_VARS})
+    os.environ[NCCL_IFNAME_VAR] = nccl_ifname(ifname)
     try:
         yield
     finally:

@@ -67,13 +67,14 @@ class Replica:
         proc = transport.runtime()
         if transport_name == "p2p":
             rt = WorkerRuntime(index=proc.index, workers=proc.workers, device=proc.device, timeout=proc.timeout,
-                               stats=proc.stats)
-            rt.link = P2PLink(None, range(proc.workers), proc.index, proc.timeout, proc.stats)
+                               stats=proc.stats, grad_group=proc.grad_group, checks=proc.checks)
+            rt.link = P2PLink(None, range(proc.workers), proc.index, proc.timeout, proc.stats,
+                              device=proc.device, tag_free=proc.checks.tag_free)
         else:
             rt = proc  # its mailbox takes the RPC pushes
         self.transport = transport_name
         self.rt = rt
-        self.engine = ShardEngine(model, rt)
+        self.engine = ShardEngine(model, rt, grad_group=proc.grad_group)
         self.model = self.engine.model
         self.kept: torch.Tensor | None = None
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""

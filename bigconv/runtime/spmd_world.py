@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from . import launch_env, netbind
 from .agent import WorldClosedError, pick_device
+from ..transport import process_group_timeout
+from ..transport.comm_checks import CommChecks, OrderRecorder, order_mismatches
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "bigconv-spmd"
@@ -43,12 +45,15 @@ class Mesh:
 class SpmdWorld:
     """Every rank of a launched job, each calling the same code. Use as a context manager: leaving it
     destroys the process group, also after an exception (the other ranks then fail fast instead of
-    waiting out their timeouts)."""
+    waiting out their timeouts).
+
+    ``checks`` (default: ``BIGCONV_COMM_CHECKS``) turns on the test modes of ``transport.comm_checks``."""
 
     mode = "spmd"
 
     def __init__(self, rank: int, size: int, local_rank: int, local_size: int, addr: str, port: int, *,
-                 device: str = "auto", timeout: float = 300.0, ifname: str | None = None) -> None:
+                 device: str = "auto", timeout: float = 300.0, ifname: str | None = None,
+                 checks: CommChecks | str | None = None) -> None:
         if dist.is_initialized():
             raise ValueError("torch.distributed is already initialised in this process; bigconv's SPMD world "
                              "creates its own process group: call World.from_env(mode='spmd') before any "
@@ -58,7 +63,9 @@ class SpmdWorld:
         install()  # torch.utils.checkpoint.checkpoint replays halos in its recompute (bigconv.engine.checkpointing)
         self.rank, self.size, self.local_rank = rank, size, local_rank
         self.timeout = float(timeout)
-        self.device = pick_device(device, local_rank)
+        self.checks = checks if isinstance(checks, CommChecks) else \
+            CommChecks.from_env() if checks is None else CommChecks.parse(checks)
+        self.device = pick_device(device, local_rank, local_size)  # before any process group
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.threads = max(1, (os.cpu_count() or 1) // max(1, local_size))
@@ -69,17 +76,26 @@ class SpmdWorld:
             self._store = netbind.host_store(addr, port, timeout)
         else:
             self._store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout))
-        with netbind.bound_to(ifname or netbind.cluster_interface(addr)):
+        # Gloo reads its interface at every group's creation: the mesh's groups, made later, bind there too.
+        self.ifname = ifname or netbind.cluster_interface(addr)
+        with netbind.bound_to(self.ifname):
             # NCCL for CUDA tensors, gloo for CPU ones: halos and gradients take the tensor's own path.
             backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.PrefixStore(STORE_PREFIX, self._store), rank=rank,
-                                    world_size=size, timeout=timedelta(seconds=timeout))
+                                    world_size=size, timeout=process_group_timeout(self.device, timeout))
+        self.recorder = OrderRecorder().install() if self.checks.order else None
+        # The gradient sums get a communicator of their own: on the halos' one, a rank that only sends in a
+        # one-sided exchange posts its gradient batch after a weight's allreduce and its peer before,
+        # which NCCL (one stream per communicator) cannot run (transport.comm_checks records it).
+        with netbind.bound_to(self.ifname):
+            self.grad_group = dist.new_group(list(range(size)))
 
     @classmethod
     def from_env(cls, *, device: str = "auto", timeout: float = 300.0, env=None) -> "SpmdWorld":
         info = launch_env.detect(env, min_size=1)
         return cls(info.rank, info.world_size, info.local_rank, info.local_world_size, info.master_addr, info.port,
-                   device=device, timeout=timeout, ifname=netbind.cluster_interface(info.master_addr, env))
+                   device=device, timeout=timeout, ifname=netbind.cluster_interface(info.master_addr, env),
+                   checks=CommChecks.from_env(env))
 
     @property
     def workers(self) -> int:
@@ -101,13 +117,13 @@ class SpmdWorld:
             mine = None
             for r in range(replicas):  # every rank creates every group, in one order
                 ranks = list(range(r * spatial, (r + 1) * spatial))
-                group = dist.new_group(ranks) if replicas > 1 else dist.group.WORLD
+                group = self._new_group(ranks) if replicas > 1 else dist.group.WORLD
                 if self.rank in ranks:
                     mine = (r, ranks, group)
             replica_group, replica_ranks = None, None
             for s in range(spatial):
                 ranks = list(range(s, self.size, spatial))
-                group = dist.new_group(ranks) if spatial > 1 else dist.group.WORLD
+                group = self._new_group(ranks) if spatial > 1 else dist.group.WORLD
                 if self.rank % spatial == s:
                     replica_group, replica_ranks = group, tuple(ranks)
             r, ranks, group = mine
@@ -116,6 +132,10 @@ class SpmdWorld:
             self._meshes[replicas] = Mesh(replicas, spatial, r, self.rank % spatial, tuple(ranks), group,
                                           replica_group, replica_ranks)
         return self._meshes[replicas]
+
+    def _new_group(self, ranks: list[int]):
+        with netbind.bound_to(self.ifname):
+            return dist.new_group(ranks)
 
     def _warm_up(self, group) -> None:
         # NCCL creates a communicator lazily, and its first batched point-to-point call must involve every
@@ -126,10 +146,24 @@ class SpmdWorld:
     def barrier(self) -> None:
         dist.barrier()
 
+    def comm_order_mismatches(self) -> list[str]:
+        """Under the ``order`` check: where the ranks issued their collectives and batches since the last
+        call in orders NCCL could not run (empty when they agree); collective, so every rank calls it."""
+        if self.recorder is None:
+            raise ValueError("this world records no order; create it with checks='order' "
+                             "(or BIGCONV_COMM_CHECKS=order)")
+        mine = self.recorder.take()
+        logs: list = [None] * self.size
+        dist.all_gather_object(logs, mine)
+        self.recorder.take()  # the gather itself
+        return order_mismatches(dict(enumerate(logs)))
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.recorder is not None:
+            self.recorder.uninstall()
         try:
             dist.destroy_process_group()
         except Exception as exc:  # a failed teardown must not hide the error that led here

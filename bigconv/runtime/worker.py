@@ -24,7 +24,8 @@ from .. import transport
 from ..memory import PeakMeter
 from . import netbind
 from .agent import RPC_STORE_KEY, pick_device, quiet_rpc_init, rpc_options
-from ..transport import WorkerRuntime, worker_name
+from ..transport import WorkerRuntime, process_group_timeout, worker_name
+from ..transport.comm_checks import CommChecks, OrderRecorder
 from ..transport.rpc import RpcLink
 
 GRAD_PREFIX = "bigconv-grad"
@@ -32,9 +33,12 @@ log = logging.getLogger(__name__)
 
 
 def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, device: str, threads: int,
-          timeout: float, startup_timeout: float, ifname: str) -> None:
+          timeout: float, startup_timeout: float, ifname: str, local_size: int = 1, checks: str = "") -> None:
+    """``checks``: the test modes of ``transport.comm_checks`` (a ``BIGCONV_COMM_CHECKS`` text)."""
+    global _RECORDER
     torch.set_num_threads(threads)
-    dev = pick_device(device, local_rank)
+    dev = pick_device(device, local_rank, local_size)
+    comm_checks = CommChecks.parse(checks)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=startup_timeout))
@@ -43,8 +47,10 @@ def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, 
         # worker can already allreduce.
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                 store=dist.PrefixStore(GRAD_PREFIX, store),
-                                rank=rank - 1, world_size=world_size - 1, timeout=timedelta(seconds=timeout))
-        rt = WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout)
+                                rank=rank - 1, world_size=world_size - 1, timeout=process_group_timeout(dev, timeout))
+        _RECORDER = OrderRecorder().install() if comm_checks.order else None
+        rt = WorkerRuntime(index=rank - 1, workers=world_size - 1, device=dev, timeout=timeout,
+                           checks=comm_checks, grad_group=_own_grad_group(world_size - 1))
         rt.link = RpcLink(rt)  # the rpc transport's and the halo probes' (p2p replicas make their own)
         transport.set_runtime(rt)
         global _METER
@@ -65,7 +71,18 @@ def serve(*, rank: int, world_size: int, addr: str, port: int, local_rank: int, 
     dist.destroy_process_group()
 
 
+def _own_grad_group(workers: int):
+    """The gradient sums' own communicator (see ``runtime.spmd_world``: never the halos' one)."""
+    return dist.new_group(list(range(workers)))
+
+
 _RELEASED = threading.Event()
+_RECORDER: OrderRecorder | None = None
+
+
+def comm_order_log() -> list | None:
+    """What this worker issued since the last call, under the ``order`` check (None without it)."""
+    return _RECORDER.take() if _RECORDER is not None else None
 
 
 def release() -> None:

@@ -26,9 +26,10 @@ import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 
 from . import launch_env, netbind
-from .agent import RPC_STORE_KEY, WorldClosedError, quiet_rpc_init, rpc_options
+from .agent import RPC_STORE_KEY, WorldClosedError, check_gpus_per_rank, quiet_rpc_init, rpc_options
 from ..geometry.boxes import check_positive_int
 from ..transport import WorkerFailure, worker_name
+from ..transport.comm_checks import CommChecks, order_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +138,23 @@ def expected_shutdown_noise_hidden() -> Iterator[None]:
         os.close(saved)
 
 
+def _checks(value: CommChecks | str | None) -> CommChecks:
+    if isinstance(value, CommChecks):
+        return value
+    return CommChecks.from_env() if value is None else CommChecks.parse(value)
+
+
 class World:
     """A driver (this process) and ``workers`` worker processes.
 
     Use as a context manager: leaving it shuts RPC down, then the gradient group, also after an
     exception. ``timeout`` bounds every wait of a step (seconds); a dead or stuck worker becomes a
     ``WorkerFailure`` naming it. ``worker_env`` adds environment variables for the workers (default:
-    ``WORKER_ENV``; variables already set in this process win).
+    ``WORKER_ENV``; variables already set in this process win). ``comm_checks`` (default:
+    ``BIGCONV_COMM_CHECKS``) turns on the test modes of ``bigconv.transport.comm_checks``.
+
+    ``device="cuda"`` needs a GPU for every worker (NCCL refuses two ranks on one GPU); ``"auto"`` takes
+    the GPUs only when there are that many.
     """
 
     def __init__(
@@ -155,6 +166,7 @@ class World:
         timeout: float = 300.0,
         startup_timeout: float = 180.0,
         worker_env: dict[str, str] | None = None,
+        comm_checks: CommChecks | str | None = None,
     ) -> None:
         check_positive_int(workers, "workers")
         if device not in ("cpu", "cuda", "auto"):
@@ -163,6 +175,11 @@ class World:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if threads_per_worker is not None:
             check_positive_int(threads_per_worker, "threads_per_worker")
+        self.checks = _checks(comm_checks)
+        if device == "cuda":  # before any process or group exists
+            import torch
+
+            check_gpus_per_rank(workers, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         self.workers = workers
         self.timeout = float(timeout)
         self.device = device
@@ -202,7 +219,8 @@ class World:
         for index in range(self.workers):
             spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=port, local_rank=index,
                         device=self.device, threads=self.threads_per_worker, timeout=self.timeout,
-                        startup_timeout=startup_timeout, ifname=ifname)
+                        startup_timeout=startup_timeout, ifname=ifname, local_size=self.workers,
+                        checks=self.checks.text())
             env["BIGCONV_WORKER"] = json.dumps(spec)
             entry = "from bigconv.runtime.worker import main; main()"
             self._procs.append(subprocess.Popen([sys.executable, "-c", entry], env=env))
@@ -253,8 +271,9 @@ class World:
         down, then exits the process (or returns None with ``exit_workers=False``), so a script
         run on every rank continues on the driver only. The world's store listens on
         ``launch_env.LaunchInfo.port`` (clear of torchrun's own store) at the launch address only;
-        every rank's RPC and gloo sockets listen on one interface: ``BIGCONV_IFNAME``, else
+        every rank's RPC, gloo and NCCL sockets listen on one interface: ``BIGCONV_IFNAME``, else
         ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME``, else the one that routes to the launch address.
+        ``device="cuda"`` needs a GPU per rank of a node (checked here, before any group exists).
         """
         if mode == "spmd":
             from .spmd_world import SpmdWorld
@@ -263,6 +282,10 @@ class World:
         if mode != "driver":
             raise ValueError(f"mode must be 'driver' or 'spmd', got {mode!r}")
         info = launch_env.detect(env)
+        if device == "cuda":  # every rank, the driver too, refuses before any group or RPC agent exists
+            import torch
+
+            check_gpus_per_rank(info.local_world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         threads = max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
         ifname = netbind.cluster_interface(info.master_addr, env)
         if info.rank != 0:
@@ -270,11 +293,13 @@ class World:
 
             serve(rank=info.rank, world_size=info.world_size, addr=info.master_addr, port=info.port,
                   local_rank=info.local_rank, device=device, threads=threads, timeout=timeout,
-                  startup_timeout=timeout, ifname=ifname)
+                  startup_timeout=timeout, ifname=ifname, local_size=info.local_world_size,
+                  checks=CommChecks.from_env(env).text())
             if exit_workers:
                 sys.exit(0)
             return None
         self = cls.__new__(cls)
+        self.checks = CommChecks.from_env(env)
         self.workers = info.world_size - 1
         self.timeout = float(timeout)
         self.device = device
@@ -453,6 +478,17 @@ class World:
             dead = self._dead_soon()
             self.broken = f"{dead[0]} died during {what}" if dead else f"{what} failed: {remote_summary(exc)}"
             raise WorkerFailure(self.broken) from exc
+
+    def comm_order_mismatches(self) -> list[str]:
+        """Under the ``order`` check: where the workers issued their collectives and batches since the last
+        call in orders NCCL could not run (empty when they agree)."""
+        from .worker import comm_order_log
+
+        if not self.checks.order:
+            raise ValueError("this world records no order; create it with comm_checks='order' "
+                             "(or BIGCONV_COMM_CHECKS=order)")
+        logs = self.call(comm_order_log, [()] * self.workers, "reading the order of communication")
+        return order_mismatches(dict(enumerate(logs)))
 
     # -- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:

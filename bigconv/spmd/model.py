@@ -71,14 +71,15 @@ class SpmdModel:
         self.mesh = world.mesh(replicas)
         self.stats = new_stats()
         rt = WorkerRuntime(index=self.mesh.shard, workers=self.mesh.spatial, device=world.device,
-                           timeout=world.timeout, stats=self.stats)
+                           timeout=world.timeout, stats=self.stats, grad_group=world.grad_group, checks=world.checks)
+        wire = dict(device=world.device, tag_free=world.checks.tag_free)
         rt.link = P2PLink(self.mesh.spatial_group, self.mesh.spatial_ranks, self.mesh.shard, world.timeout,
-                          self.stats)
+                          self.stats, **wire)
         if replicas > 1:
             rt.replica, rt.replicas = self.mesh.replica, replicas
             rt.replica_link = P2PLink(self.mesh.replica_group, self.mesh.replica_ranks, self.mesh.replica,
-                                      world.timeout, self.stats)
-        self.engine = ShardEngine(model, rt)
+                                      world.timeout, self.stats, **wire)
+        self.engine = ShardEngine(model, rt, grad_group=world.grad_group)
         self.model = self.engine.model
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:

@@ -17,9 +17,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence
 
 import torch
+
+from .comm_checks import CommChecks
 
 
 class WorkerFailure(RuntimeError):
@@ -95,6 +98,12 @@ class WorkerRuntime:
     replicas: int = 1
     replica_link: Any = None
     """Between the replicas of one shard position (SPMD with ``replicas > 1``): for batch statistics."""
+    grad_group: Any = None
+    """The process group (communicator) of the gradient sums: never the halos' own, so that NCCL never
+    sees a rank-dependent order of halo batches and gradient allreduces on one stream (None: the default
+    group, for worlds that exchange no halos over it)."""
+    checks: CommChecks = field(default_factory=CommChecks)
+    """The test modes of ``comm_checks`` this world runs under."""
 
 
 _RUNTIME: WorkerRuntime | None = None
@@ -139,3 +148,37 @@ def numbered(peers: Sequence[int]) -> list[tuple[int, int]]:
         out.append((peer, seen.get(peer, 0)))
         seen[peer] = seen.get(peer, 0) + 1
     return out
+
+
+# -- what NCCL requires of every tensor and wait, checked on every device ------------------------------
+def check_wire(tensors: Iterable[torch.Tensor], device: torch.device, what: str) -> None:
+    """Every tensor handed to a collective or a ``P2POp`` lies on the world's device and is contiguous
+    (gloo copies what NCCL refuses or reads wrongly)."""
+    for t in tensors:
+        if t.device != device or not t.is_contiguous():
+            raise RuntimeError(f"{what}: a tensor of shape {tuple(t.shape)} on {t.device} "
+                               f"({'contiguous' if t.is_contiguous() else 'not contiguous'}) was handed to the "
+                               f"wire of a world on {device}; it must be contiguous and on {device}")
+
+
+def wait_timeout(device: torch.device, timeout: float) -> timedelta | None:
+    """How long a ``Work.wait`` may block: bounded on the CPU (gloo's wait blocks the thread, and a bound
+    turns a dead peer into an error naming it); unbounded on CUDA, where a wait with a timeout spins the
+    CPU until the kernel ends and aborts the communicator on expiry, while one without only makes the
+    current stream wait (the NCCL watchdog, set above the link timeout by ``process_group_timeout``, then
+    bounds a stalled peer)."""
+    return None if torch.device(device).type == "cuda" else timedelta(seconds=timeout)
+
+
+def process_group_timeout(device: torch.device, timeout: float) -> timedelta:
+    """The process group's own timeout: the link's on the CPU; on CUDA above it (twice, plus slack), so
+    that the driver's wait (1.1 times the link timeout) names a stalled worker before NCCL's watchdog
+    kills the processes."""
+    return timedelta(seconds=timeout if torch.device(device).type != "cuda" else 2 * timeout + 30)
+
+
+def wait_work(work, device: torch.device, timeout: float) -> None:
+    limit = wait_timeout(device, timeout)
+    done = work.wait() if limit is None else work.wait(limit)
+    if done is False:
+        raise RuntimeError("wait returned False")

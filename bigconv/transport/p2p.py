@@ -13,7 +13,9 @@ exchanges in the same program order, so every rank posts its gradient batches in
 no pair can wait on each other. A shard that receives nothing in an exchange has no ``_Finish``;
 its ``_Start`` posts the gradient batch instead.
 
-Waits carry a timeout that names the peers, so a dead or stalled rank is an error, never a hang.
+Waits carry a timeout that names the peers, so a dead or stalled rank is an error, never a hang (on
+the CPU; on CUDA a wait only orders the stream, see ``transport.wait_timeout``). With ``tag_free`` every
+message carries tag 0 and pairs match in posting order, as on NCCL (``transport.comm_checks``).
 """
 
 from __future__ import annotations
@@ -21,13 +23,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import Recv, Send, WorkerFailure, numbered
+from . import Recv, Send, WorkerFailure, check_wire, numbered, wait_work
 
 TAG_SPAN = 64
 """Messages per pair and exchange that get their own gloo tag (NCCL ignores tags)."""
@@ -118,12 +119,14 @@ class _Finish(torch.autograd.Function):
 class P2PLink:
     """Exchanges between the shards of one spatial group, by point-to-point over ``group``.
 
-    ``ranks[i]`` is the global rank of shard ``i``.
+    ``ranks[i]`` is the global rank of shard ``i``; every tensor on the wire lies on ``device``.
     """
 
-    def __init__(self, group, ranks: Sequence[int], index: int, timeout: float, stats: dict) -> None:
+    def __init__(self, group, ranks: Sequence[int], index: int, timeout: float, stats: dict, *,
+                 device: torch.device | str = "cpu", tag_free: bool = False) -> None:
         self.group, self.ranks, self.index = group, list(ranks), index
         self.timeout, self.stats = float(timeout), stats
+        self.device, self.tag_free = torch.device(device), tag_free
         self.blocking = os.environ.get("BIGCONV_P2P_BLOCKING") == "1"
         """Wait for each exchange as soon as it is posted: no overlap (the benchmarks' reference)."""
 
@@ -154,6 +157,9 @@ class P2PLink:
 
     # -- the wire -------------------------------------------------------------------------------
     def batch(self, sends: list, recvs: list) -> list:
+        check_wire([t for _, _, t in sends + recvs], self.device, "a halo exchange")
+        if self.tag_free:
+            sends, recvs = [(p, 0, t) for p, _, t in sends], [(p, 0, t) for p, _, t in recvs]
         ops = [dist.P2POp(dist.isend, t, self.ranks[p], self.group, tag) for p, tag, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.ranks[p], self.group, tag) for p, tag, t in recvs]
         self.stats["messages"] += len(sends)
@@ -165,8 +171,7 @@ class P2PLink:
         start = time.perf_counter()
         try:
             for work in works:
-                if not work.wait(timedelta(seconds=self.timeout)):
-                    raise RuntimeError("wait returned False")
+                wait_work(work, self.device, self.timeout)
             # A finished work still holds its tensors, among them the received halos whose grad_fn holds
             # this exchange: a cycle through C++ that the garbage collector cannot see, which kept every
             # graph with a whole-tensor gather (and the weights it saved) alive after its backward.
