@@ -29,7 +29,6 @@ timeout, never the run. Each record is written as soon as it is measured.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,6 +37,8 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
+
+from bigconv.harness import cli
 
 MiB = 2**20
 
@@ -334,7 +335,7 @@ def bench(out: str, base: dict, card_gib: float, quick: bool, cases: list[Case])
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser("experiments.gpu_check", __doc__)
     parser.add_argument("--quick", action="store_true",
                         help="a short benchmark: at most 4 probes per largest-edge search instead of 9")
     parser.add_argument("--card-gib", type=float, default=16.0,

@@ -8,7 +8,7 @@ and the time ``new_group`` takes at startup.
 
 from __future__ import annotations
 
-import argparse
+from bigconv.harness import cli
 import statistics
 import time
 
@@ -54,7 +54,7 @@ def _rank(variant: str, size: int, steps: int) -> dict:
 def main(argv=None) -> None:
     from bigconv.runtime import spmd_launch
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser("experiments.grad_group_cost", __doc__.splitlines()[0])
     p.add_argument("--size", type=int, default=256, help="image side in pixels")
     p.add_argument("--steps", type=int, default=6, help="steps per variant (the first is a warm-up)")
     args = p.parse_args(argv)

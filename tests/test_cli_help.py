@@ -17,12 +17,13 @@ import pytest
 CLIS = [
     "bigconv.check", "experiments.alternatives", "experiments.bench_core", "experiments.bench_slides",
     "experiments.checkpoint_cost", "experiments.cluster.run", "experiments.context", "experiments.demo",
-    "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.host_bound",
+    "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
+    "experiments.grad_group_cost", "experiments.host_bound",
     "experiments.maxsize", "experiments.memory_probe", "experiments.runtime_costs", "experiments.spmd_overhead",
     "experiments.sweep", "experiments.whole_slide", "experiments.zoo_coverage", "multidsn.train", "plots",
     "plots.alternatives", "plots.context", "plots.core", "plots.dsn", "plots.tables",
 ]
-"""Every ``python -m`` tool but ``experiments.gpu_check`` (documented with the GPU path)."""
+"""Every ``python -m`` tool."""
 
 
 class _Captured(Exception):
