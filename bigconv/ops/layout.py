@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import slicing
 from .shards import FLATTEN_FIX, global_shape, global_size, mark, trailing, tree_flatten
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
@@ -151,6 +152,10 @@ def _split_like(mode: ShardMode, func, args, kwargs):
     x = b["input"]
     shape, dims = global_shape(x), mode.layout(x)
     dim = b.get("dim", 0)
+    if func.__name__ == "narrow" and dim % x.dim() - x.dim() in dims:  # a crop of one spatial dim
+        start = b["start"] % global_size(x, mode.dims)[dim] if b["start"] < 0 else b["start"]
+        cut = [slice(start, start + b["length"]) if d == dim % x.dim() - x.dim() else slice(None) for d in dims]
+        return slicing.crop(mode, func, x, cut)
     if dim % x.dim() - x.dim() in dims:
         raise mode.unsupported(func, f"it cuts spatial dim {dim}, which is split over the grid",
                                "Cut only batch or channel dims (e.g. dim=1)")
@@ -351,15 +356,18 @@ def _getitem(mode: ShardMode, func, args, kwargs):
         pos = index.index(Ellipsis)
         fill = x.dim() - (len(index) - 1 - sum(i is None for i in index))
         index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
+    index = index + (slice(None),) * (x.dim() - sum(i is not None for i in index))  # x[:, :, 2:5] cuts H only
     spatial = _nonneg(mode.layout(x), x.dim())
+    crops = _spatial_slices(mode, func, index, spatial)
+    if crops is not None:  # slice the other dims here, then crop the spatial ones (bigconv.ops.slicing)
+        rest = tuple(slice(None) if pos in crops else i for pos, i in enumerate(index))
+        return slicing.crop(mode, func, _getitem(mode, func, (x, rest), {}), [crops[p] for p in sorted(crops)])
     out_pos, in_dim, out_dims = 0, 0, {}
     for i in index:
         if i is None:
             out_pos += 1
             continue
         if in_dim in spatial:
-            if not (isinstance(i, slice) and i == slice(None)):
-                raise mode.unsupported(func, "it indexes a spatial dim", "Slice only batch and channel dims.")
             out_dims[in_dim] = out_pos
         if not isinstance(i, int):
             out_pos += 1
@@ -370,6 +378,26 @@ def _getitem(mode: ShardMode, func, args, kwargs):
         out_pos += 1
     out = func(*args, **kwargs)
     return mode.tag_outputs(out, shape, _neg([out_dims[p] for p in spatial], out.dim()))
+
+
+def _spatial_slices(mode: ShardMode, func, index: tuple, spatial: list[int]) -> dict[int, slice] | None:
+    """Position in ``index`` -> slice, for the spatial dims it cuts (None when it cuts none)."""
+    crops, in_dim = {}, 0
+    for pos, i in enumerate(index):
+        if i is None:
+            continue
+        if in_dim in spatial and not (isinstance(i, slice) and i == slice(None)):
+            if not isinstance(i, slice):
+                raise mode.unsupported(func, "it picks single positions of a spatial dim (an int or tensor index)",
+                                       "Slice spatial dims with start:stop:step, or index batch and channel dims only")
+            crops[pos] = i
+        in_dim += 1
+    if not crops:
+        return None
+    for pos, i in enumerate(index):  # every spatial dim goes to crop(), cut or not
+        if i is not None and pos not in crops and sum(j is not None for j in index[:pos]) in spatial:
+            crops[pos] = slice(None)
+    return crops
 
 
 def _value(mode: ShardMode, func, args, kwargs):

@@ -1,0 +1,84 @@
+"""Rules for sub-pixel layers: ``pixel_shuffle`` (depth to space) and ``pixel_unshuffle`` (space to depth).
+
+Each output pixel reads one input pixel, so both are windowed ops without arithmetic: the shard
+of ``pixel_shuffle``'s output (balanced over the grid, like every tensor) reads input rows
+``o // r``, the arithmetic of a transposed convolution with kernel = stride = r; a shard of
+``pixel_unshuffle``'s output reads input rows ``[o * r, o * r + r)``, a window with kernel = stride
+= r. ``region_op`` joins those rows from their owners, so shard borders need not fall on multiples
+of the factor: an uneven grid is fixed up by the same exchange that carries convolution halos.
+PyTorch's ops are 2D only (they act on the last two dims), so both need a 2D grid.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.nn.functional as F
+
+from ..geometry.boxes import TransposedWindow, Window
+from .shards import bind, global_shape, mark, with_input
+
+if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
+    from .mode import ShardMode
+
+
+RULES: dict = {}
+"""This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
+WHOLE_RULES: dict = {}
+"""Its rules for calls without one that may build a sharded result."""
+LAYOUT_AWARE: set = set()
+"""The functions among them whose rules handle spatial dims wherever they are (none: both need them last)."""
+PROPERTY_RULES: dict = {}
+"""Its rules for tensor attributes, by name."""
+
+
+def _factor(mode: ShardMode, func, args, kwargs, name: str) -> int:
+    b = bind(("input", name), args, kwargs)
+    if mode.dims != 2:
+        raise mode.unsupported(func, f"PyTorch's {func.__name__} rearranges the last two dims, but the grid has "
+                               f"{mode.dims} spatial dims", "Use it on a 2D image with a 2D grid")
+    return int(b[name])
+
+
+def _pixel_shuffle(mode: ShardMode, func, args, kwargs):
+    """Depth to space: out[c, h*r + i, w*r + j] = in[c*r*r + i*r + j, h, w]."""
+    r = _factor(mode, func, args, kwargs, "upscale_factor")
+    x = args[0] if args else kwargs["input"]
+    shape = global_shape(x)
+    windows = [TransposedWindow(r, r)] * 2
+    out_shape = tuple(w.out_size(n) for w, n in zip(windows, shape))
+    if x.dim() < 3 or x.shape[-3] % (r * r):
+        return func(*args, **kwargs)  # PyTorch's own error
+    if not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, with_input(func, args, kwargs))
+
+    def op(region, plan):
+        out = func(region, r)
+        crop = []
+        for axis in reversed(range(2)):  # F.pad lists the last dim first
+            (o0, o1), (i0, _) = plan.out_box[axis], plan.need[axis]
+            start = o0 - i0 * r
+            crop += [-start, -(out.shape[out.dim() - 2 + axis] - start - (o1 - o0))]
+        return F.pad(out, crop)
+
+    return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=None), out_shape)
+
+
+def _pixel_unshuffle(mode: ShardMode, func, args, kwargs):
+    """Space to depth: out[c*r*r + i*r + j, h, w] = in[c, h*r + i, w*r + j]."""
+    r = _factor(mode, func, args, kwargs, "downscale_factor")
+    x = args[0] if args else kwargs["input"]
+    shape = global_shape(x)
+    if any(n % r for n in shape):
+        raise mode.unsupported(func, f"the image's spatial shape {shape} is not a multiple of the factor {r}",
+                               "Pad or crop the image to a multiple of the factor first")
+    windows = [Window(r, r)] * 2
+    out_shape = tuple(n // r for n in shape)
+    if not mode.executor.fits(out_shape):
+        return mode.windowed_whole(x, shape, out_shape, with_input(func, args, kwargs))
+    return mark(mode.executor.region_op(x, shape, windows, lambda region, plan: func(region, r), mode.where()),
+                out_shape)
+
+
+RULES[F.pixel_shuffle] = _pixel_shuffle
+RULES[F.pixel_unshuffle] = _pixel_unshuffle
