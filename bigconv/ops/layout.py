@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import slicing
-from .shards import FLATTEN_FIX, global_shape, global_size, mark, trailing, tree_flatten
+from .shards import FLATTEN_FIX, global_shape, global_size, mark, mark_positions, trailing, tree_flatten
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -222,6 +222,10 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     if len(target) == 1 and isinstance(target[0], torch.dtype):  # x.view(dtype): a reinterpretation
         return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
     shape, d = global_shape(x), mode.dims
+    lead = tuple(x.shape[: x.dim() - d])
+    if (d > 1 and mode.layout(x) == trailing(d) and tuple(target[:-1]) == lead
+            and target[-1] in (-1, global_size(x, d)[-d:].numel())):
+        return mark_positions(x.reshape(*lead, -1), shape, -1)  # x.reshape(N, C, -1): see bigconv.ops.positions
     if mode.layout(x) != trailing(d) or len(target) < d or tuple(target[-d:]) != tuple(shape):
         raise mode.unsupported(func, f"it reshapes an image of spatial shape {shape} into {tuple(target)}, "
                                "moving values across its spatial dims", FLATTEN_FIX)

@@ -35,9 +35,10 @@ from torch.utils._pytree import tree_map
 
 from .shards import (
     FIX_GENERIC, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath, UnsupportedOperation,
-    global_shape, is_replicated, mark, op_name, spatial_dims, trailing, tree_flatten,
+    global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
 )
-from .table import LAYOUT_AWARE, PROPERTY_RULES, RULES, WHOLE_RULES
+from .positions import refuse as refuse_positions
+from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
 
 
 _ACTIVE = threading.local()
@@ -84,13 +85,19 @@ class ShardMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]
-        shapes, replicated = set(), False
+        shapes, replicated, flat = set(), False, False
         for t in leaves:
             shape = global_shape(t)
             if shape is not None:
                 shapes.add(shape)
             elif not replicated and is_replicated(t):
                 replicated = True
+            elif not flat and positions(t) is not None:
+                flat = True
+        if flat:
+            if shapes:
+                raise refuse_positions(self, func, "it mixes them with a sharded map")
+            return self.on_positions(func, args, kwargs)
         if not shapes:
             whole = WHOLE_RULES.get(func)
             if whole is not None:
@@ -110,6 +117,16 @@ class ShardMode(TorchFunctionMode):
                                                                                   FIX_GENERIC))
         if func not in LAYOUT_AWARE:
             self.require_channels_first(func, leaves)
+        return rule(self, func, args, kwargs)
+
+    def on_positions(self, func, args, kwargs):
+        """A call given an image's positions flattened into one dim: only their rules apply."""
+        rule = POSITION_RULES.get(func)
+        if rule is None and getattr(func, "__name__", "") == "__get__":
+            prop = POSITION_PROPERTY_RULES.get(getattr(func.__self__, "__name__", ""))
+            return prop(self, func, args, kwargs) if prop else func(*args, **kwargs)
+        if rule is None:
+            raise refuse_positions(self, func)
         return rule(self, func, args, kwargs)
 
     # -- layouts ------------------------------------------------------------------------------------
