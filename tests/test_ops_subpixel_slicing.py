@@ -53,6 +53,45 @@ class SpaceToDepth(nn.Module):
         return self.up(self.conv(y))
 
 
+def monai_style_pixelshuffle(x, dims: int, r: int):
+    """MONAI's ``networks.utils.pixelshuffle``: reshape, permute, reshape (any number of spatial dims)."""
+    size = list(x.size())
+    b, c = size[:2]
+    idx = list(range(2, 2 + 2 * dims))
+    idx = idx[dims:] + idx[:dims]
+    perm = [0, 1]
+    for i in range(dims):
+        perm.extend(idx[i::dims])
+    x = x.reshape([b, c // r ** dims] + [r] * dims + size[2:])
+    return x.permute(perm).reshape([b, c // r ** dims] + [n * r for n in size[2:]])
+
+
+def timm_style_space_to_depth(x, bs: int):
+    """timm's ``SpaceToDepth``: view into blocks, permute, view."""
+    n, c, h, w = x.size()
+    x = x.view(n, c, h // bs, bs, w // bs, bs)
+    x = x.permute(0, 3, 5, 1, 2, 4).contiguous()
+    return x.view(n, c * bs * bs, h // bs, w // bs)
+
+
+class ReshapeShuffles(nn.Module):
+    """Depth to space and space to depth written as reshapes and permutes (MONAI, timm), 2D or 3D."""
+
+    def __init__(self, dims: int, r: int, down: bool) -> None:
+        super().__init__()
+        conv = nn.Conv3d if dims == 3 else nn.Conv2d
+        self.dims, self.r, self.down = dims, r, down
+        self.conv = conv(1, 2 * r ** dims, 3, padding=1)
+        self.head = conv(2 * (r ** dims if down else 1), 3, 3, padding=1)
+        self.back = nn.Upsample(scale_factor=r)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.down:
+            return self.back(self.head(timm_style_space_to_depth(y[:, :2], self.r)))
+        return self.head(monai_style_pixelshuffle(y, self.dims, self.r))
+
+
 class Crops(nn.Module):
     """A valid-padding U-Net step: the skip is center-cropped to the upsampled map, as HoVerNet does."""
 
@@ -107,6 +146,17 @@ def test_pixel_shuffle_exact(world, functional, r, shape, grid):
 def test_pixel_unshuffle_exact_on_borders_off_the_factor(world, functional, r, shape, grid):
     # 14 rows over 3 shards: 5/5/4, so the second border (row 10) is even but the first (row 5) is not.
     _check(SpaceToDepth(r, functional).double(), world, shape, grid)
+
+
+@pytest.mark.world(3)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dims,r,down,shape,grid", [
+    (2, 2, False, (2, 1, 7, 10), (3, 1)),   # depth to space, MONAI's reshape-permute-reshape
+    (3, 2, False, (1, 1, 5, 4, 7), (1, 1, 3)),  # ... in 3D
+    (2, 4, True, (2, 1, 28, 12), (3, 1)),   # space to depth, timm's view-permute-view; borders at rows 10, 19
+])
+def test_shuffles_written_as_reshapes_exact(world, dims, r, down, shape, grid):
+    _check(ReshapeShuffles(dims, r, down).double(), world, shape, grid)
 
 
 @pytest.mark.world(3)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import slicing
+from . import slicing, subpixel
 from .shards import FLATTEN_FIX, global_shape, global_size, mark, mark_positions, trailing, tree_flatten
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
@@ -222,6 +222,10 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     if len(target) == 1 and isinstance(target[0], torch.dtype):  # x.view(dtype): a reinterpretation
         return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
     shape, d = global_shape(x), mode.dims
+    factors = _block_factors(mode, x, target)
+    if factors is not None:  # depth to space or space to depth, written as reshapes (bigconv.ops.subpixel)
+        merge, rs = factors
+        return (subpixel.merge_spatial if merge else subpixel.split_spatial)(mode, func, x, rs)
     lead = tuple(x.shape[: x.dim() - d])
     if (d > 1 and mode.layout(x) == trailing(d) and tuple(target[:-1]) == lead
             and target[-1] in (-1, global_size(x, d)[-d:].numel())):
@@ -231,6 +235,26 @@ def _reshape(mode: ShardMode, func, args, kwargs):
                                "moving values across its spatial dims", FLATTEN_FIX)
     out = func(x, (*target[:-d], *mode.executor.local_shape(shape)))
     return mark(out, shape)
+
+
+def _block_factors(mode: ShardMode, x: torch.Tensor, target: list) -> tuple[bool, list[int]] | None:
+    """(True, r's) for a reshape of (lead, n_1, r_1, ..., n_d, r_d), spatial dims at the n's, into
+    (lead, n_1*r_1, ..., n_d*r_d); (False, r's) for one of (lead, n_1, ..., n_d), spatial dims trailing,
+    into (lead, n_1/r_1, r_1, ..., n_d/r_d, r_d); else None."""
+    shape, d, n = global_shape(x), mode.dims, x.dim()
+    spatial = _nonneg(mode.layout(x), n)
+    lead = n - 2 * d
+    if (lead >= 0 and spatial == [lead + 2 * k for k in range(d)] and len(target) == lead + d
+            and list(target[:lead]) == list(x.shape[:lead])
+            and all(target[lead + k] == g * x.shape[lead + 2 * k + 1] for k, g in enumerate(shape))):
+        return True, [x.shape[lead + 2 * k + 1] for k in range(d)]
+    lead = n - d
+    if (mode.layout(x) == trailing(d) and len(target) == n + d and list(target[:lead]) == list(x.shape[:lead])
+            and all(isinstance(t, int) and t > 0 for t in target[lead:])
+            and all(target[lead + 2 * k] * target[lead + 2 * k + 1] == g for k, g in enumerate(shape))
+            and any(target[lead + 2 * k + 1] != 1 for k in range(d))):
+        return False, [target[lead + 2 * k + 1] for k in range(d)]
+    return None
 
 
 def _repeat(mode: ShardMode, func, args, kwargs):
@@ -449,7 +473,7 @@ def _register() -> None:
     for rule, funcs in table.items():
         for f in funcs:
             RULES[f] = rule
-    aware = [pointwise, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand, _expand_as,
+    aware = [pointwise, _reshape, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand, _expand_as,
              _size, _numel, _query, _factory, _random_like, _getitem, _value]
     LAYOUT_AWARE.update(f for f, rule in RULES.items() if rule in aware)
     for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,

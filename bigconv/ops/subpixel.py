@@ -82,3 +82,71 @@ def _pixel_unshuffle(mode: ShardMode, func, args, kwargs):
 
 RULES[F.pixel_shuffle] = _pixel_shuffle
 RULES[F.pixel_unshuffle] = _pixel_unshuffle
+
+
+# -- the same rearrangements written as reshapes and permutes (MONAI's pixelshuffle, timm's SpaceToDepth) --
+def _interleave(lead: int, d: int) -> list[int]:
+    """The permutation from (lead, r_1..r_d, n_1..n_d) to (lead, n_1, r_1, ..., n_d, r_d)."""
+    return list(range(lead)) + [p for k in range(d) for p in (lead + d + k, lead + k)]
+
+
+def _gather_factors(lead: int, d: int) -> list[int]:
+    """The permutation from (lead, n_1, r_1, ..., n_d, r_d) to (lead, r_1..r_d, n_1..n_d)."""
+    return list(range(lead)) + [lead + 2 * k + 1 for k in range(d)] + [lead + 2 * k for k in range(d)]
+
+
+def merge_spatial(mode: ShardMode, func, x, factors: list[int]):
+    """``reshape`` of (lead, n_1, r_1, ..., n_d, r_d), spatial dims at the n's, into (lead, n_1*r_1, ...):
+    depth to space, as MONAI's ``pixelshuffle`` ends. Output row ``h*r + i`` reads row ``h``, factor ``i``."""
+    shape, d = global_shape(x), len(factors)
+    lead = x.dim() - 2 * d
+    y = x.permute(_gather_factors(lead, d))  # (lead, r..., n...): the spatial dims trailing
+    windows = [TransposedWindow(r, r) for r in factors]
+    out_shape = tuple(n * r for n, r in zip(shape, factors))
+
+    def shuffle(region):
+        out = region.permute(_interleave(lead, d))
+        return out.reshape(*out.shape[:lead], *(out.shape[lead + 2 * k] * r for k, r in enumerate(factors)))
+
+    if not mode.executor.fits(out_shape):
+        return mode.windowed_whole(y, shape, out_shape, shuffle)
+
+    def op(region, plan):
+        out = shuffle(region)
+        for k, (r, (o0, o1), (i0, _)) in enumerate(zip(factors, plan.out_box, plan.need)):
+            out = out.narrow(lead + k, o0 - i0 * r, o1 - o0)
+        return out
+
+    return mark(mode.executor.region_op(y, shape, windows, op, mode.where(), fill=None), out_shape)
+
+
+def split_spatial(mode: ShardMode, func, x, factors: list[int]):
+    """``view`` of (lead, n_1, ..., n_d), spatial dims trailing, as (lead, n_1/r_1, r_1, ..., n_d/r_d, r_d):
+    space to depth, as timm's ``SpaceToDepth`` begins. The result's spatial dims are the n/r's, and the
+    shard borders of that image fall on multiples of r of the input, wherever the input's fell."""
+    shape, d = global_shape(x), len(factors)
+    lead = x.dim() - d
+    out_shape = tuple(n // r for n, r in zip(shape, factors))
+    if not mode.executor.fits(out_shape):
+        raise mode.unsupported(func, f"it splits the spatial dims {shape} into blocks of {tuple(factors)}, leaving "
+                               "fewer positions than the grid has shards", "Use a smaller grid for this image")
+
+    if lead == 0:
+        raise mode.unsupported(func, "it splits the spatial dims of a tensor without batch or channel dims",
+                               "Keep the batch and channel dims when splitting")
+    blocks = 1
+    for r in factors:
+        blocks *= r
+
+    def op(region, plan):
+        split = region.reshape(*region.shape[:lead], *(v for n, r in zip(region.shape[lead:], factors)
+                                                       for v in (n // r, r)))
+        split = split.permute(_gather_factors(lead, d))  # (lead, r..., n/r...)
+        # region_op joins its pieces along the input's spatial dims: keep the input's rank, the
+        # factors folded into the last lead dim
+        return split.reshape(*split.shape[: lead - 1], -1, *split.shape[lead + d:])
+
+    y = mode.executor.region_op(x, shape, [Window(r, r) for r in factors], op, mode.where())
+    y = y.reshape(*y.shape[: lead - 1], x.shape[lead - 1], *factors, *y.shape[lead:])
+    out = y.permute(_interleave(lead, d))
+    return mark(out, out_shape, [lead + 2 * k - out.dim() for k in range(d)])
