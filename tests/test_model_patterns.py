@@ -258,7 +258,7 @@ class ArgmaxOverPositions(nn.Module):
 
 @pytest.mark.world(4)
 @pytest.mark.parametrize("model,words", [
-    (AttentionOverPositions, ["matmul", "does not contract", "'<root>'"]),
+    (AttentionOverPositions, ["view_as", "'<root>'"]),
     (LinearOverWidth, ["linear", "'fc' (Linear)"]),
     (ReadsValue, ["item", "'<root>'"]),
     (NoiseOfImageSize, ["randn", "'<root>'"]),

@@ -4,7 +4,8 @@
 positions; softmax over them (global max and log-sum-exp), sums, means, maxima, and ``matmul``/
 ``bmm``/``einsum`` contracting them must equal one process: forward, input and parameter gradients,
 losses and every weight after two SGD-momentum steps, to 1e-9, on uneven shards. Anything else done
-to such a tensor is refused in the dry run, before any remote work.
+to positions made by ``reshape``/``view`` is refused in the dry run, before any remote work; after
+``flatten`` it gathers them whole, as ``flatten`` always did (exact, but the whole map per worker).
 """
 
 from __future__ import annotations
@@ -131,17 +132,56 @@ class AfterFlatten(nn.Module):
         return self.then(self.conv(x))
 
 
+def flat(y):
+    """Positions by reshape: anything but per-position math and reductions over them is refused."""
+    return y.reshape(y.shape[0], y.shape[1], -1)
+
+
 REFUSED = {
-    "attention_between_positions": (lambda y: (y.flatten(2).transpose(1, 2) @ y.flatten(2)).sum(),
+    "attention_between_positions": (lambda y: (flat(y).transpose(1, 2) @ flat(y)).sum(),
                                     ["matmul", "does not contract"]),
-    "unflatten": (lambda y: y.flatten(2).softmax(-1).view_as(y), ["view_as", "reductions over them"]),
-    "index_a_position": (lambda y: y.reshape(2, 4, -1)[:, :, 0], ["__getitem__", "flattened"]),
-    "linear_over_positions": (lambda y: nn.functional.linear(y.flatten(2), torch.ones(3, 256, dtype=y.dtype)),
+    "unflatten": (lambda y: flat(y).softmax(-1).view_as(y), ["view_as", "reductions over them"]),
+    "index_a_position": (lambda y: flat(y)[:, :, 0], ["__getitem__", "flattened"]),
+    "linear_over_positions": (lambda y: nn.functional.linear(flat(y), torch.ones(3, 256, dtype=y.dtype)),
                               ["linear"]),
-    "returned": (lambda y: y.flatten(2), ["cannot return"]),
-    "operand_as_long_as_positions": (lambda y: y.flatten(2) * torch.ones(256, dtype=y.dtype), ["varies along"]),
-    "with_the_map": (lambda y: (y.flatten(2).unsqueeze(-1) + y).sum(), ["mixes them with a sharded map"]),
+    "returned": (lambda y: flat(y), ["cannot return"]),
+    "returned_after_flatten": (lambda y: y.flatten(2) * 2, ["cannot return"]),
+    "operand_as_long_as_positions": (lambda y: flat(y) * torch.ones(256, dtype=y.dtype), ["varies along"]),
+    "with_the_map": (lambda y: (flat(y).unsqueeze(-1) + y).sum(), ["mixes them with a sharded map"]),
+    "flatten_then_unflatten": (lambda y: y.flatten(2).softmax(-1).view_as(y), ["view_as", "'<root>'"]),
 }
+
+
+class GatheredAfterFlatten(nn.Module):
+    """What ``flatten`` always allowed: positions gathered whole when no reduction follows
+    (attention between positions as smp's MAnet, a per-position MLP and a reshape back as
+    Segformer's decoder). Exact, at the cost of the whole map on every worker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.mlp = nn.Linear(4, 4)
+        self.head = nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        q = y.flatten(2)
+        att = torch.softmax(torch.bmm(q.transpose(1, 2), q), dim=-1)  # (b, P, P): between positions
+        mixed = self.mlp(torch.bmm(q, att).transpose(1, 2))  # (b, P, c)
+        return self.head(y + mixed.transpose(1, 2).reshape(b, c, h, w))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_flatten_without_reduction_gathers_whole_exactly(world):
+    torch.manual_seed(0)
+    x = torch.randn(2, 1, 9, 7, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 9, 7))
+    r = compare_training(GatheredAfterFlatten().double(), world, x, y, nn.CrossEntropyLoss(), grid=(2, 2))
+    assert r["keys_match"] and r["replicas_equal"], r
+    for key in KEYS:
+        assert r[key] <= TOL, (key, r)
 
 
 @pytest.mark.world(4)

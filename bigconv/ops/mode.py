@@ -34,9 +34,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .shards import (
-    FIX_GENERIC, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath, UnsupportedOperation,
+    FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath,
+    UnsupportedOperation,
     global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
 )
+from .positions import gather_positions
 from .positions import refuse as refuse_positions
 from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
 
@@ -95,9 +97,7 @@ class ShardMode(TorchFunctionMode):
             elif not flat and positions(t) is not None:
                 flat = True
         if flat:
-            if shapes:
-                raise refuse_positions(self, func, "it mixes them with a sharded map")
-            return self.on_positions(func, args, kwargs)
+            return self.on_positions(func, args, kwargs, bool(shapes))
         if not shapes:
             whole = WHOLE_RULES.get(func)
             if whole is not None:
@@ -119,15 +119,32 @@ class ShardMode(TorchFunctionMode):
             self.require_channels_first(func, leaves)
         return rule(self, func, args, kwargs)
 
-    def on_positions(self, func, args, kwargs):
+    def on_positions(self, func, args, kwargs, with_map: bool):
         """A call given an image's positions flattened into one dim: only their rules apply."""
         rule = POSITION_RULES.get(func)
-        if rule is None and getattr(func, "__name__", "") == "__get__":
+        if rule is None and getattr(func, "__name__", "") == "__get__" and not with_map:
             prop = POSITION_PROPERTY_RULES.get(getattr(func.__self__, "__name__", ""))
             return prop(self, func, args, kwargs) if prop else func(*args, **kwargs)
-        if rule is None:
-            raise refuse_positions(self, func)
-        return rule(self, func, args, kwargs)
+        gather = any(GATHER_ATTR in t.__dict__ for t in tree_flatten((args, kwargs))[0] if positions(t) is not None)
+        try:
+            if with_map:
+                raise refuse_positions(self, func, "it mixes them with a sharded map")
+            if rule is None:
+                raise refuse_positions(self, func)
+            out = rule(self, func, args, kwargs)
+        except UnsupportedOperation:
+            if not gather:
+                raise
+            # Made by flatten: gathered whole, as flatten into a dense head always was (smp's MAnet
+            # attention between positions, Segformer's MLP over them); the call then goes through
+            # the mode again, for its other arguments
+            args, kwargs = tree_map(lambda t: gather_positions(self, t), (args, kwargs))
+            return self.__torch_function__(func, (), args, kwargs)
+        if gather:
+            for t in tree_flatten(out)[0]:
+                if positions(t) is not None:
+                    setattr(t, GATHER_ATTR, True)
+        return out
 
     # -- layouts ------------------------------------------------------------------------------------
     def layout(self, t: torch.Tensor) -> tuple[int, ...]:

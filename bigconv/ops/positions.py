@@ -74,6 +74,19 @@ def global_size(t: torch.Tensor) -> torch.Size:
     return torch.Size(size)
 
 
+def gather_positions(mode: ShardMode, t):
+    """The whole image's positions, in a single process's order, on every worker (differentiably);
+    anything else as it is."""
+    if positions(t) is None:
+        return t
+    shape, dim = positions(t)
+    k = dim % t.dim()
+    moved = t.movedim(k, -1)
+    local = moved.reshape(*moved.shape[:-1], *mode.executor.local_shape(shape))
+    whole = mode.executor.gather_all(local, shape)
+    return whole.reshape(*whole.shape[: whole.dim() - len(shape)], -1).movedim(-1, k)
+
+
 # -- per-position ops -----------------------------------------------------------------------------
 def _pointwise(mode: ShardMode, func, args, kwargs):
     leaves = tree_flatten((args, kwargs))[0]

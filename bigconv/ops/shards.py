@@ -174,6 +174,14 @@ def positions(t: object) -> tuple[tuple[int, ...], int] | None:
     return t.__dict__.get(POSITIONS_ATTR) if isinstance(t, torch.Tensor) else None
 
 
-def mark_positions(t: torch.Tensor, shape: Sequence[int], dim: int) -> torch.Tensor:
+GATHER_ATTR = "_bigconv_positions_gather"
+"""Marks flattened positions made by ``flatten`` (and what follows from them): an op other than a
+reduction over them gathers them whole, as ``flatten`` into a dense head always did; positions
+made by ``reshape``/``view`` are refused instead."""
+
+
+def mark_positions(t: torch.Tensor, shape: Sequence[int], dim: int, gather: bool = False) -> torch.Tensor:
     setattr(t, POSITIONS_ATTR, (tuple(shape), dim))
+    if gather:
+        setattr(t, GATHER_ATTR, True)
     return t
