@@ -222,7 +222,7 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     if len(target) == 1 and isinstance(target[0], torch.dtype):  # x.view(dtype): a reinterpretation
         return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
     shape, d = global_shape(x), mode.dims
-    factors = _block_factors(mode, x, target)
+    factors = subpixel.block_factors(mode, x, target)
     if factors is not None:  # depth to space or space to depth, written as reshapes (bigconv.ops.subpixel)
         merge, rs = factors
         return (subpixel.merge_spatial if merge else subpixel.split_spatial)(mode, func, x, rs)
@@ -235,26 +235,6 @@ def _reshape(mode: ShardMode, func, args, kwargs):
                                "moving values across its spatial dims", FLATTEN_FIX)
     out = func(x, (*target[:-d], *mode.executor.local_shape(shape)))
     return mark(out, shape)
-
-
-def _block_factors(mode: ShardMode, x: torch.Tensor, target: list) -> tuple[bool, list[int]] | None:
-    """(True, r's) for a reshape of (lead, n_1, r_1, ..., n_d, r_d), spatial dims at the n's, into
-    (lead, n_1*r_1, ..., n_d*r_d); (False, r's) for one of (lead, n_1, ..., n_d), spatial dims trailing,
-    into (lead, n_1/r_1, r_1, ..., n_d/r_d, r_d); else None."""
-    shape, d, n = global_shape(x), mode.dims, x.dim()
-    spatial = _nonneg(mode.layout(x), n)
-    lead = n - 2 * d
-    if (lead >= 0 and spatial == [lead + 2 * k for k in range(d)] and len(target) == lead + d
-            and list(target[:lead]) == list(x.shape[:lead])
-            and all(target[lead + k] == g * x.shape[lead + 2 * k + 1] for k, g in enumerate(shape))):
-        return True, [x.shape[lead + 2 * k + 1] for k in range(d)]
-    lead = n - d
-    if (mode.layout(x) == trailing(d) and len(target) == n + d and list(target[:lead]) == list(x.shape[:lead])
-            and all(isinstance(t, int) and t > 0 for t in target[lead:])
-            and all(target[lead + 2 * k] * target[lead + 2 * k + 1] == g for k, g in enumerate(shape))
-            and any(target[lead + 2 * k + 1] != 1 for k in range(d))):
-        return False, [target[lead + 2 * k + 1] for k in range(d)]
-    return None
 
 
 def _repeat(mode: ShardMode, func, args, kwargs):
@@ -386,7 +366,7 @@ def _getitem(mode: ShardMode, func, args, kwargs):
         index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
     index = index + (slice(None),) * (x.dim() - sum(i is not None for i in index))  # x[:, :, 2:5] cuts H only
     spatial = _nonneg(mode.layout(x), x.dim())
-    crops = _spatial_slices(mode, func, index, spatial)
+    crops = slicing.spatial_slices(mode, func, index, spatial)
     if crops is not None:  # slice the other dims here, then crop the spatial ones (bigconv.ops.slicing)
         rest = tuple(slice(None) if pos in crops else i for pos, i in enumerate(index))
         return slicing.crop(mode, func, _getitem(mode, func, (x, rest), {}), [crops[p] for p in sorted(crops)])
@@ -406,26 +386,6 @@ def _getitem(mode: ShardMode, func, args, kwargs):
         out_pos += 1
     out = func(*args, **kwargs)
     return mode.tag_outputs(out, shape, _neg([out_dims[p] for p in spatial], out.dim()))
-
-
-def _spatial_slices(mode: ShardMode, func, index: tuple, spatial: list[int]) -> dict[int, slice] | None:
-    """Position in ``index`` -> slice, for the spatial dims it cuts (None when it cuts none)."""
-    crops, in_dim = {}, 0
-    for pos, i in enumerate(index):
-        if i is None:
-            continue
-        if in_dim in spatial and not (isinstance(i, slice) and i == slice(None)):
-            if not isinstance(i, slice):
-                raise mode.unsupported(func, "it picks single positions of a spatial dim (an int or tensor index)",
-                                       "Slice spatial dims with start:stop:step, or index batch and channel dims only")
-            crops[pos] = i
-        in_dim += 1
-    if not crops:
-        return None
-    for pos, i in enumerate(index):  # every spatial dim goes to crop(), cut or not
-        if i is not None and pos not in crops and sum(j is not None for j in index[:pos]) in spatial:
-            crops[pos] = slice(None)
-    return crops
 
 
 def _value(mode: ShardMode, func, args, kwargs):
@@ -473,8 +433,8 @@ def _register() -> None:
     for rule, funcs in table.items():
         for f in funcs:
             RULES[f] = rule
-    aware = [pointwise, _reshape, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand, _expand_as,
-             _size, _numel, _query, _factory, _random_like, _getitem, _value]
+    aware = [pointwise, _reshape, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand,
+             _expand_as, _size, _numel, _query, _factory, _random_like, _getitem, _value]
     LAYOUT_AWARE.update(f for f, rule in RULES.items() if rule in aware)
     for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
               torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full):

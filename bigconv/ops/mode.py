@@ -35,8 +35,7 @@ from torch.utils._pytree import tree_map
 
 from .shards import (
     FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath,
-    UnsupportedOperation,
-    global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
+    UnsupportedOperation, global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
 )
 from .positions import gather_positions
 from .positions import refuse as refuse_positions

@@ -20,6 +20,26 @@ if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
 
 
+def spatial_slices(mode: ShardMode, func, index: tuple, spatial: list[int]) -> dict[int, slice] | None:
+    """Position in ``index`` -> slice, for the spatial dims it cuts (None when it cuts none)."""
+    crops, in_dim = {}, 0
+    for pos, i in enumerate(index):
+        if i is None:
+            continue
+        if in_dim in spatial and not (isinstance(i, slice) and i == slice(None)):
+            if not isinstance(i, slice):
+                raise mode.unsupported(func, "it picks single positions of a spatial dim (an int or tensor index)",
+                                       "Slice spatial dims with start:stop:step, or index batch and channel dims only")
+            crops[pos] = i
+        in_dim += 1
+    if not crops:
+        return None
+    for pos, i in enumerate(index):  # every spatial dim goes to crop(), cut or not
+        if i is not None and pos not in crops and sum(j is not None for j in index[:pos]) in spatial:
+            crops[pos] = slice(None)
+    return crops
+
+
 def crop(mode: ShardMode, func, x: torch.Tensor, slices: Sequence[slice]) -> torch.Tensor:
     """``x[..., *slices]`` over the spatial dims of sharded ``x`` (which must be trailing)."""
     shape = global_shape(x)

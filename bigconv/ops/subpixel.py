@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.nn.functional as F
 
 from ..geometry.boxes import TransposedWindow, Window
-from .shards import bind, global_shape, mark, with_input
+from .shards import bind, global_shape, mark, trailing, with_input
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -93,6 +94,26 @@ def _interleave(lead: int, d: int) -> list[int]:
 def _gather_factors(lead: int, d: int) -> list[int]:
     """The permutation from (lead, n_1, r_1, ..., n_d, r_d) to (lead, r_1..r_d, n_1..n_d)."""
     return list(range(lead)) + [lead + 2 * k + 1 for k in range(d)] + [lead + 2 * k for k in range(d)]
+
+
+def block_factors(mode: ShardMode, x: torch.Tensor, target: list) -> tuple[bool, list[int]] | None:
+    """(True, r's) for a reshape of (lead, n_1, r_1, ..., n_d, r_d), spatial dims at the n's, into
+    (lead, n_1*r_1, ..., n_d*r_d); (False, r's) for one of (lead, n_1, ..., n_d), spatial dims trailing,
+    into (lead, n_1/r_1, r_1, ..., n_d/r_d, r_d); else None."""
+    shape, d, n = global_shape(x), mode.dims, x.dim()
+    spatial = [p % n for p in mode.layout(x)]
+    lead = n - 2 * d
+    if (lead >= 0 and spatial == [lead + 2 * k for k in range(d)] and len(target) == lead + d
+            and list(target[:lead]) == list(x.shape[:lead])
+            and all(target[lead + k] == g * x.shape[lead + 2 * k + 1] for k, g in enumerate(shape))):
+        return True, [x.shape[lead + 2 * k + 1] for k in range(d)]
+    lead = n - d
+    if (mode.layout(x) == trailing(d) and len(target) == n + d and list(target[:lead]) == list(x.shape[:lead])
+            and all(isinstance(t, int) and t > 0 for t in target[lead:])
+            and all(target[lead + 2 * k] * target[lead + 2 * k + 1] == g for k, g in enumerate(shape))
+            and any(target[lead + 2 * k + 1] != 1 for k in range(d))):
+        return False, [target[lead + 2 * k + 1] for k in range(d)]
+    return None
 
 
 def merge_spatial(mode: ShardMode, func, x, factors: list[int]):
