@@ -153,8 +153,26 @@ def zoo_cases() -> dict:
     return cases
 
 
+def _subpixel_slicing_positions_cases():
+    """Sub-pixel layers, crops and reductions over flattened positions (issue 22) on SPMD ranks."""
+    import test_ops_positions as tpos
+    import test_ops_subpixel_slicing as tsub
+
+    up = lambda g: torch.randint(0, 3, (2, 26, 22), generator=g)  # noqa: E731  # PixelShuffle(2) of 13x11
+    return {
+        "subpixel/shuffle/(2,2)": (4, _compare(lambda: tsub.SubPixelUp(2), (2, 1, 13, 11), (2, 2), target=up)),
+        "subpixel/unshuffle/(2,2)": (4, _compare(lambda: tsub.SpaceToDepth(2), (2, 1, 14, 10), (2, 2),
+                                                 target=_dense_ce((2, 1, 14, 10)))),
+        "slicing/strided/(2,2)": (4, _compare(lambda: tsub.Crops(tsub.CROPS["channels_too"]), (2, 1, 16, 15), (2, 2),
+                                              target=lambda g: torch.randint(0, 3, (2, 6, 7), generator=g))),
+        "positions/gc_gate/(2,2)": (4, _compare(tpos.GlobalContextGate, (2, 1, 11, 14), (2, 2),
+                                                target=_dense_ce((2, 1, 11, 14)))),
+        "positions/einsum/(1,2)": (2, _compare(lambda: tpos.AttentionPool(tpos.einsum_pool), (2, 1, 13, 11), (1, 2))),
+    }
+
+
 def all_cases() -> dict:
-    return {**CASES, **_layer_cases()}
+    return {**CASES, **_layer_cases(), **_subpixel_slicing_positions_cases()}
 
 
 def adjoint(world) -> dict:

@@ -19,7 +19,6 @@ from bigconv.models import CNN1D, CNN2D
     (lambda: CNN2D(), (2, 3), "product is 4"),
     (lambda: CNN2D(), (2, 2.5), "positive integer"),
     (lambda: CNN2D(), (-2, -2), "positive integer"),
-    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.PixelShuffle(2)), (2, 2), r"'1' \(PixelShuffle\) is not supported"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxUnpool2d(2)), (2, 2), r"'1' \(MaxUnpool2d\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Conv1d(2, 2, 3)), None, "mixes convolutions"),
     (lambda: "not a model", (2, 2), "expects a torch.nn.Module"),

@@ -349,6 +349,101 @@ def monai_flexible_unet():
 
 # ----------------------------------------------------------------------------------------------------
 # The registry
+def monai_subpixel_decoder():
+    """MONAI's ``SubpixelUpsample`` (conv to r^d times the channels, MONAI's own pixel shuffle) as a
+    decoder step back to the input's size."""
+    from monai.networks.blocks import SubpixelUpsample
+    return nn.Sequential(nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.ReLU(),
+                         SubpixelUpsample(2, 8, 4, scale_factor=2), nn.Conv2d(4, NUM_CLASSES, 3, padding=1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# written with torch.nn only, as the papers' users write them
+# ----------------------------------------------------------------------------------------------------
+class SubPixelSR(nn.Module):
+    """ESPCN (Shi et al. 2016) as a decoder: a strided encoder, then conv to r*r times the channels
+    and ``PixelShuffle`` back to the input's size."""
+
+    def __init__(self, width: int = 8, r: int = 2) -> None:
+        super().__init__()
+        self.encode = nn.Sequential(nn.Conv2d(1, width, 5, stride=r, padding=2), nn.Tanh(),
+                                    nn.Conv2d(width, width, 3, padding=1), nn.Tanh())
+        self.subpixel = nn.Sequential(nn.Conv2d(width, width * r * r, 3, padding=1), nn.PixelShuffle(r))
+        self.head = nn.Conv2d(width, NUM_CLASSES, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(self.subpixel(self.encode(x)))
+
+
+class SpaceToDepthNet(nn.Module):
+    """TResNet's stem written with ``nn.PixelUnshuffle(4)`` (space to depth), then a small residual body
+    and a global-pooling head."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.PixelUnshuffle(4), nn.Conv2d(16, width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.LeakyReLU(0.01))
+        self.body = nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+                                  nn.ReLU(), nn.Conv2d(width, width, 3, padding=1))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, NUM_CLASSES))
+
+    def forward(self, x):
+        y = self.stem(x)
+        return self.head(torch.relu(y + self.body(y)))
+
+
+def _center_crop(skip: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    dh, dw = (skip.shape[-2] - like.shape[-2]) // 2, (skip.shape[-1] - like.shape[-1]) // 2
+    return skip[:, :, dh:dh + like.shape[-2], dw:dw + like.shape[-1]]
+
+
+class ValidUNet(nn.Module):
+    """The original U-Net's valid convolutions (and HoVerNet's): the input is mirror-padded by the
+    border it loses, and each skip is center-cropped to the upsampled map it joins."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3), nn.ReLU(), nn.Conv2d(cout, cout, 3), nn.ReLU())
+
+        self.down, self.bottom = block(1, width), block(width, 2 * width)
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.decode = block(2 * width, width)
+        self.head = nn.Conv2d(width, NUM_CLASSES, 1)
+
+    def forward(self, x):
+        x = nn.functional.pad(x, (8, 8, 8, 8), mode="reflect")  # the 16 rows and columns the valid convs lose
+        skip = self.down(x)
+        y = self.up(self.bottom(self.pool(skip)))
+        return self.head(self.decode(torch.cat([_center_crop(skip, y), y], dim=1)))
+
+
+class AttentionPoolNet(nn.Module):
+    """A conv trunk with an attention-pooling head: softmax over the flattened positions, contracted
+    with the features by ``einsum``, and a ``GlobalContext``-style gate by ``matmul`` before it."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.GroupNorm(2, width), nn.ReLU(),
+                                   nn.Conv2d(width, width, 3, stride=2, padding=1), nn.ReLU())
+        self.gc_attn = nn.Conv2d(width, 1, 1)
+        self.gc_mlp = nn.Sequential(nn.Linear(width, width // 2), nn.ReLU(), nn.Linear(width // 2, width))
+        self.pool_logits = nn.Conv2d(width, 2, 1)
+        self.fc = nn.Linear(2 * width, NUM_CLASSES)
+
+    def forward(self, x):
+        y = self.trunk(x)
+        b, c, h, w = y.shape
+        attn = torch.softmax(self.gc_attn(y).reshape(b, 1, h * w), dim=-1).unsqueeze(3)
+        context = (y.reshape(b, c, h * w).unsqueeze(1) @ attn).view(b, c)
+        y = y * torch.sigmoid(self.gc_mlp(context)).view(b, c, 1, 1)
+        weights = self.pool_logits(y).flatten(2).softmax(dim=-1)  # two pooling queries
+        pooled = torch.einsum("bcp,bqp->bqc", y.flatten(2), weights)
+        return self.fc(pooled.flatten(1))
+
+
 # ----------------------------------------------------------------------------------------------------
 def _e(name, family, factory, shape, workers, grid, dense=False, **kw) -> ZooEntry:
     return ZooEntry(name=name, family=family, library=name.split("/")[0], factory=factory, shape=tuple(shape),
@@ -459,9 +554,8 @@ ZOO: list[ZooEntry] = [
     _e("timm/inception_v3", "inception", timm_model("inception_v3"), (4, 3, 128, 128), 2, (2, 1),
        note="batch 4 at 128 px: at 2x80x80 its 1x1 maps make batch norm ill-conditioned (rounding noise 2e-2)"),
     _e("timm/tresnet_m", "tresnet", timm_model("tresnet_m"), (2, 3, 64, 64), 2, (2, 1),
-       expect="refused", reason="its space-to-depth stem views each spatial dim as (blocks, 4): exact only where "
-       "shards divide by the block, which bigconv does not track yet", match=r"SpaceToDepth",
-       note="space-to-depth stem, anti-aliased downsampling"),
+       note="space-to-depth stem (timm's view-permute-view, decomposed as space to depth), anti-aliased "
+       "downsampling"),
     _e("timm/hgnetv2_b0", "hgnet", timm_model("hgnetv2_b0"), (2, 3, 64, 64), 2, (2, 1)),
     _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 2, (2, 1),
        expect="refused", reason=ATTENTION, match=r"self_attn|BottleneckAttn", note="img_size=64"),
@@ -522,6 +616,19 @@ ZOO: list[ZooEntry] = [
        note="b0 blocks, width 0.25, no dropout/drop-connect"),
     _e("monai/FlexibleUNet", "unet", monai_flexible_unet, (2, 1, 64, 64), 2, (1, 2), dense=True,
        note="resnet10 backbone"),
+    _e("monai/SubpixelUpsample", "subpixel", monai_subpixel_decoder, (2, 1, 26, 22), 3, (3, 1), dense=True,
+       note="a strided conv, then SubpixelUpsample (MONAI's own reshape-and-permute pixel shuffle) back"),
+    # -- torch.nn only: sub-pixel layers, crops, attention pooling ------------------------------------
+    _e("nn/ESPCN", "subpixel", SubPixelSR, (2, 1, 26, 22), 3, (3, 1), dense=True, fast=True,
+       note="ESPCN as a decoder: PixelShuffle(2); shard borders off the factor"),
+    _e("nn/SpaceToDepthStem", "tresnet", SpaceToDepthNet, (2, 1, 64, 44), 3, (3, 1), fast=True,
+       note="TResNet-style PixelUnshuffle(4) stem; 64 rows over 3 shards, borders off multiples of 4"),
+    _e("nn/ValidUNet", "unet", ValidUNet, (2, 1, 40, 36), 4, (2, 2), dense=True, fast=True,
+       note="valid convolutions, center-cropped skip (x[:, :, a:b, c:d]) as in HoVerNet"),
+    _e("nn/AttentionPool", "attention-pool", AttentionPoolNet, (2, 1, 30, 26), 3, (1, 3), fast=True,
+       note="GlobalContext gate (reshape, softmax over positions, matmul) and an einsum attention-pooling head"),
+    _e("timm/gcresnet33ts", "byobnet", timm_model("gcresnet33ts"), (2, 3, 64, 64), 2, (2, 1),
+       note="GlobalContext attention (softmax over positions, matmul contracting them)"),
 ]
 
 BY_NAME = {e.name: e for e in ZOO}

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .shards import FLATTEN_FIX, global_shape, global_size, mark, trailing, tree_flatten
+from . import slicing, subpixel
+from .shards import FLATTEN_FIX, global_shape, global_size, mark, mark_positions, trailing, tree_flatten
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -151,6 +152,10 @@ def _split_like(mode: ShardMode, func, args, kwargs):
     x = b["input"]
     shape, dims = global_shape(x), mode.layout(x)
     dim = b.get("dim", 0)
+    if func.__name__ == "narrow" and dim % x.dim() - x.dim() in dims:  # a crop of one spatial dim
+        start = b["start"] % global_size(x, mode.dims)[dim] if b["start"] < 0 else b["start"]
+        cut = [slice(start, start + b["length"]) if d == dim % x.dim() - x.dim() else slice(None) for d in dims]
+        return slicing.crop(mode, func, x, cut)
     if dim % x.dim() - x.dim() in dims:
         raise mode.unsupported(func, f"it cuts spatial dim {dim}, which is split over the grid",
                                "Cut only batch or channel dims (e.g. dim=1)")
@@ -217,6 +222,14 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     if len(target) == 1 and isinstance(target[0], torch.dtype):  # x.view(dtype): a reinterpretation
         return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
     shape, d = global_shape(x), mode.dims
+    factors = subpixel.block_factors(mode, x, target)
+    if factors is not None:  # depth to space or space to depth, written as reshapes (bigconv.ops.subpixel)
+        merge, rs = factors
+        return (subpixel.merge_spatial if merge else subpixel.split_spatial)(mode, func, x, rs)
+    lead = tuple(x.shape[: x.dim() - d])
+    if (d > 1 and mode.layout(x) == trailing(d) and tuple(target[:-1]) == lead
+            and target[-1] in (-1, global_size(x, d)[-d:].numel())):
+        return mark_positions(x.reshape(*lead, -1), shape, -1)  # x.reshape(N, C, -1): see bigconv.ops.positions
     if mode.layout(x) != trailing(d) or len(target) < d or tuple(target[-d:]) != tuple(shape):
         raise mode.unsupported(func, f"it reshapes an image of spatial shape {shape} into {tuple(target)}, "
                                "moving values across its spatial dims", FLATTEN_FIX)
@@ -351,15 +364,18 @@ def _getitem(mode: ShardMode, func, args, kwargs):
         pos = index.index(Ellipsis)
         fill = x.dim() - (len(index) - 1 - sum(i is None for i in index))
         index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
+    index = index + (slice(None),) * (x.dim() - sum(i is not None for i in index))  # x[:, :, 2:5] cuts H only
     spatial = _nonneg(mode.layout(x), x.dim())
+    crops = slicing.spatial_slices(mode, func, index, spatial)
+    if crops is not None:  # slice the other dims here, then crop the spatial ones (bigconv.ops.slicing)
+        rest = tuple(slice(None) if pos in crops else i for pos, i in enumerate(index))
+        return slicing.crop(mode, func, _getitem(mode, func, (x, rest), {}), [crops[p] for p in sorted(crops)])
     out_pos, in_dim, out_dims = 0, 0, {}
     for i in index:
         if i is None:
             out_pos += 1
             continue
         if in_dim in spatial:
-            if not (isinstance(i, slice) and i == slice(None)):
-                raise mode.unsupported(func, "it indexes a spatial dim", "Slice only batch and channel dims.")
             out_dims[in_dim] = out_pos
         if not isinstance(i, int):
             out_pos += 1
@@ -417,8 +433,8 @@ def _register() -> None:
     for rule, funcs in table.items():
         for f in funcs:
             RULES[f] = rule
-    aware = [pointwise, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand, _expand_as,
-             _size, _numel, _query, _factory, _random_like, _getitem, _value]
+    aware = [pointwise, _reshape, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand,
+             _expand_as, _size, _numel, _query, _factory, _random_like, _getitem, _value]
     LAYOUT_AWARE.update(f for f, rule in RULES.items() if rule in aware)
     for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
               torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full):

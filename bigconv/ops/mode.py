@@ -34,10 +34,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .shards import (
-    FIX_GENERIC, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath, UnsupportedOperation,
-    global_shape, is_replicated, mark, op_name, spatial_dims, trailing, tree_flatten,
+    FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath,
+    UnsupportedOperation, global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
 )
-from .table import LAYOUT_AWARE, PROPERTY_RULES, RULES, WHOLE_RULES
+from .positions import gather_positions
+from .positions import refuse as refuse_positions
+from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
 
 
 _ACTIVE = threading.local()
@@ -84,13 +86,17 @@ class ShardMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]
-        shapes, replicated = set(), False
+        shapes, replicated, flat = set(), False, False
         for t in leaves:
             shape = global_shape(t)
             if shape is not None:
                 shapes.add(shape)
             elif not replicated and is_replicated(t):
                 replicated = True
+            elif not flat and positions(t) is not None:
+                flat = True
+        if flat:
+            return self.on_positions(func, args, kwargs, bool(shapes))
         if not shapes:
             whole = WHOLE_RULES.get(func)
             if whole is not None:
@@ -111,6 +117,33 @@ class ShardMode(TorchFunctionMode):
         if func not in LAYOUT_AWARE:
             self.require_channels_first(func, leaves)
         return rule(self, func, args, kwargs)
+
+    def on_positions(self, func, args, kwargs, with_map: bool):
+        """A call given an image's positions flattened into one dim: only their rules apply."""
+        rule = POSITION_RULES.get(func)
+        if rule is None and getattr(func, "__name__", "") == "__get__" and not with_map:
+            prop = POSITION_PROPERTY_RULES.get(getattr(func.__self__, "__name__", ""))
+            return prop(self, func, args, kwargs) if prop else func(*args, **kwargs)
+        gather = any(GATHER_ATTR in t.__dict__ for t in tree_flatten((args, kwargs))[0] if positions(t) is not None)
+        try:
+            if with_map:
+                raise refuse_positions(self, func, "it mixes them with a sharded map")
+            if rule is None:
+                raise refuse_positions(self, func)
+            out = rule(self, func, args, kwargs)
+        except UnsupportedOperation:
+            if not gather:
+                raise
+            # Made by flatten: gathered whole, as flatten into a dense head always was (smp's MAnet
+            # attention between positions, Segformer's MLP over them); the call then goes through
+            # the mode again, for its other arguments
+            args, kwargs = tree_map(lambda t: gather_positions(self, t), (args, kwargs))
+            return self.__torch_function__(func, (), args, kwargs)
+        if gather:
+            for t in tree_flatten(out)[0]:
+                if positions(t) is not None:
+                    setattr(t, GATHER_ATTR, True)
+        return out
 
     # -- layouts ------------------------------------------------------------------------------------
     def layout(self, t: torch.Tensor) -> tuple[int, ...]:

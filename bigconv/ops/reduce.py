@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import _int_dims, _neg, _nonneg, pointwise
-from .shards import bind, global_shape, mark, trailing
+from .shards import bind, global_shape, mark, mark_positions, trailing
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -158,6 +158,10 @@ def _flatten(mode: ShardMode, func, args, kwargs):
     if not set(spatial) & set(range(start, end + 1)):
         out_dims = [p - (end - start) if p > end else p for p in spatial]
         return mode.tag_outputs(func(*args, **kwargs), shape, _neg(out_dims, x.dim() - (end - start)))
+    if mode.dims > 1 and start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
+        # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions); reductions over
+        # them are global, anything else gathers them whole as below
+        return mark_positions(x.reshape(*x.shape[:start], -1), shape, -1, gather=True)
     if end != x.dim() - 1 or mode.layout(x) != trailing(mode.dims):
         raise mode.unsupported(func, "it merges spatial dims into others but keeps some after them",
                                "Flatten through the last dim (end_dim=-1)")

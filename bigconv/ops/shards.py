@@ -116,6 +116,15 @@ class ModulePath:
             label = f"'{name or '<root>'}' ({type(module).__name__})"
             module.register_forward_pre_hook(lambda *_, label=label: self._enter(label))
             module.register_forward_hook(lambda *_: self._leave())
+        model.register_forward_hook(self._check_output)
+
+    @staticmethod
+    def _check_output(module, inputs, out) -> None:
+        if any(positions(t) is not None for t in tree_flatten(out)[0]):
+            raise UnsupportedOperation(
+                "bigconv cannot return, from the model's forward, positions flattened from a sharded image "
+                "(each shard holds its own, in its own order). Reduce over them (softmax, sum, mean, amax, "
+                "matmul/einsum contracting them) inside forward, or return the unflattened map")
 
     # Hooks must return None: a forward hook's return value replaces the module's output.
     def _enter(self, label: str) -> None:
@@ -152,3 +161,27 @@ SPECIFIC_FIXES = {
               "channels per position",
     "reshape": FLATTEN_FIX, "view": FLATTEN_FIX, "view_as": FLATTEN_FIX, "reshape_as": FLATTEN_FIX,
 }
+
+
+POSITIONS_ATTR = "_bigconv_positions"
+"""Marks a tensor whose one dim holds this shard's positions of an image, flattened (``x.flatten(2)``,
+``x.reshape(N, C, -1)``): ``(global spatial shape, negative position of that dim)``. Its order is
+this shard's own, so only reductions over it (and per-position math) are exact: ``bigconv.ops.positions``."""
+
+
+def positions(t: object) -> tuple[tuple[int, ...], int] | None:
+    """``(global spatial shape, negative dim)`` of a tensor of flattened positions, else None."""
+    return t.__dict__.get(POSITIONS_ATTR) if isinstance(t, torch.Tensor) else None
+
+
+GATHER_ATTR = "_bigconv_positions_gather"
+"""Marks flattened positions made by ``flatten`` (and what follows from them): an op other than a
+reduction over them gathers them whole, as ``flatten`` into a dense head always did; positions
+made by ``reshape``/``view`` are refused instead."""
+
+
+def mark_positions(t: torch.Tensor, shape: Sequence[int], dim: int, gather: bool = False) -> torch.Tensor:
+    setattr(t, POSITIONS_ATTR, (tuple(shape), dim))
+    if gather:
+        setattr(t, GATHER_ATTR, True)
+    return t

@@ -25,7 +25,7 @@ NORMS = (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
     nn.GroupNorm, nn.LayerNorm,
 )
-RESAMPLING = (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
+RESAMPLING = (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d, nn.PixelShuffle, nn.PixelUnshuffle)
 PADDING = tuple(getattr(nn, f"{kind}Pad{d}d") for kind in ("Zero", "Constant", "Reflection", "Replication", "Circular")
                 for d in (1, 2, 3) if hasattr(nn, f"{kind}Pad{d}d"))
 # Exact only after a global reduction, or on maps small enough to be held whole (the dry run checks).

@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, reduce, window
+from . import layout, norm, positions, reduce, subpixel, window
 
-MODULES = (layout, reduce, window, norm)
+MODULES = (layout, reduce, window, norm, subpixel, positions)
 
 
 def _merge(name: str) -> Mapping:
@@ -33,3 +33,6 @@ PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
 """Rules for tensor attributes (``x.shape``), by name."""
 LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 """Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
+POSITION_RULES: Mapping[Callable, Callable] = MappingProxyType(dict(positions.POSITION_RULES))
+"""Rules for calls given an image's positions flattened into one dim (``bigconv.ops.positions``)."""
+POSITION_PROPERTY_RULES: Mapping[str, Callable] = MappingProxyType(dict(positions.POSITION_PROPERTY_RULES))

@@ -1,0 +1,342 @@
+"""Rules for an image's positions flattened into one dim, and reductions over them.
+
+``x.flatten(2)``, ``x.reshape(N, C, -1)`` or ``x.view(N, C, H * W)`` of a sharded map gives, on each
+shard, that shard's positions in one dim (in its own order; ``shards.mark_positions``). What is
+exact on such a tensor is what does not care where a position sits in that dim:
+
+- per-position math: pointwise ops (other operands constant along the positions), ``unsqueeze``,
+  ``squeeze``, ``transpose``/``permute``, reshapes that keep the positions' dim whole, ``softmax``
+  or sums over other dims, ``matmul`` of one side's positions with an ordinary matrix;
+- reductions over the positions, which become global: ``sum``/``mean`` and ``matmul``/``bmm``/
+  ``einsum`` contracting them (a partial sum per shard, summed over every shard by the executor,
+  as ``bigconv.ops.reduce`` does for sums over spatial dims), ``amax``/``amin`` (its
+  ``global_extreme``), and ``softmax``/``log_softmax``/``logsumexp`` (a global maximum, then a
+  global sum of exponentials: log-sum-exp, whose gradient flows through the global sum).
+
+Anything else given such a tensor (attention between positions, unflattening back to a map,
+indexing a position) is refused, in the dry run, before any remote work. Global attention
+pooling (timm's ``GlobalContext``, attention-pooling heads) is exact this way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH, _int_dims, _sizes
+from .reduce import global_extreme
+from .shards import bind, mark_positions, positions, tree_flatten
+
+if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
+    from .mode import ShardMode
+
+
+RULES: dict = {}
+"""Rules for calls with a sharded argument (none here: see ``POSITION_RULES``)."""
+WHOLE_RULES: dict = {}
+LAYOUT_AWARE: set = set()
+PROPERTY_RULES: dict = {}
+POSITION_RULES: dict = {}
+"""Rules for calls with an argument of flattened positions: ``rule(mode, func, args, kwargs)``."""
+
+FIX = ("After flattening an image's positions (flatten(2), reshape(N, C, -1)), use only per-position math and "
+       "reductions over them: softmax/log_softmax/logsumexp, sum, mean, amax/amin over that dim, or matmul/bmm/einsum "
+       "contracting it. To feed a dense head, pool globally first (AdaptiveAvgPool2d(1))")
+
+
+def refuse(mode: ShardMode, func, reason: str = "it is not a reduction over them or per-position math"):
+    return mode.unsupported(func, f"it acts on an image's positions flattened into one dim, which each shard holds "
+                            f"its own part of, and {reason}", FIX)
+
+
+def _count(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _flat(mode: ShardMode, func, leaves) -> tuple[tuple[int, ...], list]:
+    """The one image the flattened operands come from, and those operands."""
+    flats = [t for t in leaves if positions(t) is not None]
+    shapes = {positions(t)[0] for t in flats}
+    if len(shapes) != 1:
+        raise refuse(mode, func, f"they come from images of different shapes {sorted(shapes)}")
+    return shapes.pop(), flats
+
+
+def global_size(t: torch.Tensor) -> torch.Size:
+    shape, dim = positions(t)
+    size = list(t.shape)
+    size[dim] = _count(shape)
+    return torch.Size(size)
+
+
+def gather_positions(mode: ShardMode, t):
+    """The whole image's positions, in a single process's order, on every worker (differentiably);
+    anything else as it is."""
+    if positions(t) is None:
+        return t
+    shape, dim = positions(t)
+    k = dim % t.dim()
+    moved = t.movedim(k, -1)
+    local = moved.reshape(*moved.shape[:-1], *mode.executor.local_shape(shape))
+    whole = mode.executor.gather_all(local, shape)
+    return whole.reshape(*whole.shape[: whole.dim() - len(shape)], -1).movedim(-1, k)
+
+
+# -- per-position ops -----------------------------------------------------------------------------
+def _pointwise(mode: ShardMode, func, args, kwargs):
+    leaves = tree_flatten((args, kwargs))[0]
+    shape, flats = _flat(mode, func, leaves)
+    out_dim = {positions(t)[1] for t in flats}
+    if len(out_dim) != 1:
+        raise refuse(mode, func, "its operands hold the positions in different dims")
+    dim = out_dim.pop()
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and positions(t) is None and t.dim() >= -dim and t.shape[dim] != 1:
+            raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
+    return _mark(func(*args, **kwargs), shape, dim)
+
+
+def _mark(out, shape, dim: int):
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() >= -dim:
+            mark_positions(t, shape, dim)
+    return out
+
+
+def _moved(func, x: torch.Tensor, args, kwargs) -> int:
+    """Where ``x``'s positions dim is after a permute, transpose, unsqueeze or squeeze."""
+    shape, dim = positions(x)
+    n, name, pos = x.dim(), func.__name__, positions(x)[1] % x.dim()
+    rest = list(args[1:])
+    if name == "unsqueeze":
+        new = (rest[0] if rest else kwargs["dim"]) % (n + 1)
+        return pos + (new <= pos) - (n + 1)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = [d % n for d in rest[:2]]
+        pos = b if pos == a else a if pos == b else pos
+        return pos - n
+    perm = [d % n for d in (_sizes(rest) if rest else kwargs["dims"])]
+    return perm.index(pos) - n
+
+
+def _layout(mode: ShardMode, func, args, kwargs):
+    x = args[0]
+    shape, _ = positions(x)
+    return mark_positions(func(*args, **kwargs), shape, _moved(func, x, args, kwargs))
+
+
+def _squeeze(mode: ShardMode, func, args, kwargs):
+    x = args[0]
+    shape, dim = positions(x)
+    dim_arg = args[1] if len(args) > 1 else kwargs.get("dim")
+    size = global_size(x)
+    gone = [d for d in _int_dims(dim_arg, x.dim()) if size[d] == 1]
+    out = torch.squeeze(x, tuple(gone)) if gone else x.view_as(x)
+    pos = dim % x.dim()
+    return mark_positions(out, shape, pos - sum(g < pos for g in gone) - out.dim())
+
+
+def _reshape(mode: ShardMode, func, args, kwargs):
+    """A reshape that keeps the positions' dim whole and reshapes the dims before and after it apart."""
+    x = args[0]
+    shape, dim = positions(x)
+    target = _sizes(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
+    size, total = global_size(x), _count(shape)
+    if -1 in target:
+        known = _count(t for t in target if t != -1)
+        target = [size.numel() // known if t == -1 else t for t in target]
+    pos = dim % x.dim()
+    before, after = _count(size[:pos]), _count(size[pos + 1:])
+    for k, t in enumerate(target):
+        if t == total and _count(target[:k]) == before and _count(target[k + 1:]) == after:
+            local = [*target[:k], x.shape[pos], *target[k + 1:]]
+            return mark_positions(func(x, local), shape, k - len(target))
+    raise refuse(mode, func, f"it reshapes them into {tuple(target)}, mixing the positions with other dims")
+
+
+def _shape_property(mode: ShardMode, func, args, kwargs):
+    return global_size(args[0])
+
+
+def _size(mode: ShardMode, func, args, kwargs):
+    size = global_size(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return size if dim is None else size[dim]
+
+
+def _query(mode: ShardMode, func, args, kwargs):
+    return func(*args, **kwargs)
+
+
+# -- reductions -----------------------------------------------------------------------------------
+def _over(mode: ShardMode, x: torch.Tensor, dim) -> tuple[list[int], bool]:
+    """The dims reduced, and whether the positions are among them."""
+    dims = _int_dims(dim, x.dim())
+    return dims, positions(x)[1] % x.dim() in dims
+
+
+def _after(x: torch.Tensor, dims: list[int], keepdim: bool) -> int:
+    pos = positions(x)[1] % x.dim()
+    n = x.dim() if keepdim else x.dim() - len(dims)
+    return (pos if keepdim else pos - sum(d < pos for d in dims)) - n
+
+
+def _sum_mean(mode: ShardMode, func, args, kwargs):
+    b = bind(("input", "dim", "keepdim"), args, kwargs)
+    x, keepdim = b["input"], bool(b.get("keepdim", False))
+    dims, over = _over(mode, x, b.get("dim"))
+    if not over:
+        return mark_positions(func(*args, **kwargs), positions(x)[0], _after(x, dims, keepdim))
+    extra = {"dtype": b["dtype"]} if "dtype" in b else {}
+    total = mode.executor.allsum(torch.sum(x, dim=dims, keepdim=keepdim, **extra))
+    if func.__name__ != "mean":
+        return total
+    size = global_size(x)
+    return total / _count(size[d] for d in dims)
+
+
+def _extreme(mode: ShardMode, func, args, kwargs):
+    name = func.__name__
+    b = bind(("input", "dim", "keepdim"), args, kwargs)
+    x, keepdim = b["input"], bool(b.get("keepdim", False))
+    largest = name in ("amax", "max")
+    if isinstance(b.get("dim"), torch.Tensor):
+        return _pointwise(mode, func, args, kwargs)  # torch.max(a, b): elementwise
+    if name in ("max", "min") and b.get("dim") is None:
+        return global_extreme(mode, x, list(range(x.dim())), False, largest)
+    dims, over = _over(mode, x, b.get("dim", ()) or None)
+    if not over:
+        return _mark(func(*args, **kwargs), positions(x)[0], _after(x, dims, keepdim))
+    if name in ("max", "min"):
+        raise refuse(mode, func, "its indices would be positions in the whole image, which no shard holds")
+    return global_extreme(mode, x, dims, keepdim, largest)
+
+
+def _log_sum_exp(mode: ShardMode, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global maximum along the positions (a constant: every softmax is invariant to it) and the
+    global sum of ``exp(x - max)``, both with ``keepdim``."""
+    with torch.no_grad():
+        parts = mode.executor.allgather(torch.amax(x, dim=dim, keepdim=True), "softmax maximum")
+        top = torch.amax(torch.stack(parts), dim=0)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all -inf: as torch, nan follows
+    total = mode.executor.allsum(torch.exp(x - top).sum(dim=dim, keepdim=True))
+    return top, total
+
+
+def _softmax(mode: ShardMode, func, args, kwargs):
+    b = bind(("input", "dim", "_stacklevel", "dtype"), args, kwargs)
+    x, dtype = b["input"], b.get("dtype")
+    if b.get("dim") is None:
+        raise refuse(mode, func, "it runs over all dims")
+    shape, pos = positions(x)
+    dim = b["dim"] % x.dim()
+    if dim != pos % x.dim():  # over channels: per position
+        return mark_positions(func(*args, **kwargs), shape, pos)
+    if dtype is not None:
+        x = mark_positions(x.to(dtype), shape, pos)
+    top, total = _log_sum_exp(mode, x, dim)
+    if func.__name__ == "log_softmax":
+        out = x - top - torch.log(total)
+    else:
+        out = torch.exp(x - top) / total
+    return mark_positions(out, shape, pos)
+
+
+def _logsumexp(mode: ShardMode, func, args, kwargs):
+    b = bind(("input", "dim", "keepdim"), args, kwargs)
+    x, keepdim = b["input"], bool(b.get("keepdim", False))
+    dims, over = _over(mode, x, b["dim"])
+    if not over:
+        return mark_positions(func(*args, **kwargs), positions(x)[0], _after(x, dims, keepdim))
+    if len(dims) != 1:
+        raise refuse(mode, func, "it reduces over the positions and other dims at once")
+    top, total = _log_sum_exp(mode, x, dims[0])
+    out = top + torch.log(total)
+    return out if keepdim else out.squeeze(dims[0])
+
+
+# -- contractions ---------------------------------------------------------------------------------
+def _matmul(mode: ShardMode, func, args, kwargs):
+    """``a @ b``: contracting the positions (``a``'s last dim with ``b``'s rows) is a global sum;
+    ``a``'s positions as rows, or ``b``'s as columns, times an ordinary matrix is per position."""
+    a, b = (args[0], args[1]) if len(args) > 1 else (args[0], kwargs.get("other", kwargs.get("mat2")))
+    pa, pb = positions(a), positions(b)
+    a_dim = pa[1] % a.dim() if pa else None
+    b_dim = pb[1] % b.dim() if pb else None
+    contracts_a = pa is not None and a_dim == a.dim() - 1
+    contracts_b = pb is not None and (b_dim == b.dim() - 2 if b.dim() >= 2 else True)
+    if contracts_a and contracts_b:
+        if pa[0] != pb[0]:
+            raise refuse(mode, func, f"they come from images of different shapes {pa[0]} and {pb[0]}")
+        return mode.executor.allsum(func(*args, **kwargs))
+    if pa is not None and pb is None and a.dim() >= 2 and b.dim() >= 2 and a_dim == a.dim() - 2:
+        return mark_positions(func(*args, **kwargs), pa[0], -2)
+    if pb is not None and pa is None and b.dim() >= 2 and b_dim == b.dim() - 1:
+        return mark_positions(func(*args, **kwargs), pb[0], -1)
+    raise refuse(mode, func, "it does not contract the positions of both operands (attention between positions, "
+                 "or a matrix as long as the positions, is not decomposable)")
+
+
+def _einsum(mode: ShardMode, func, args, kwargs):
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        raise refuse(mode, func, "its equation is not explicit (write 'bcp,bp->bc' with '->' and no '...')")
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    letters, shapes = set(), set()
+    for term, t in zip(terms, operands):
+        p = positions(t)
+        if p is not None:
+            letters.add(term[p[1] % t.dim()])
+            shapes.add(p[0])
+    if len(letters) != 1 or len(shapes) != 1:
+        raise refuse(mode, func, "its operands hold the positions under different letters")
+    letter, shape = letters.pop(), shapes.pop()
+    if any(positions(t) is None and letter in term for term, t in zip(terms, operands)):
+        raise refuse(mode, func, f"an unflattened operand also runs over the positions' letter {letter!r}")
+    out = func(*args, **kwargs)
+    if letter not in output:
+        return mode.executor.allsum(out)
+    return mark_positions(out, shape, output.index(letter) - len(output))
+
+
+def _register() -> None:
+    for owner, names in ((torch, POINTWISE_TORCH), (torch.Tensor, POINTWISE_TENSOR), (F, POINTWISE_F)):
+        for n in names:
+            if hasattr(owner, n):
+                POSITION_RULES[getattr(owner, n)] = _pointwise
+    table = {
+        _layout: tuple(getattr(o, n) for o in (torch, torch.Tensor)
+                       for n in ("permute", "transpose", "swapaxes", "swapdims", "unsqueeze")),
+        _squeeze: (torch.squeeze, torch.Tensor.squeeze),
+        _reshape: (torch.reshape, torch.Tensor.reshape, torch.Tensor.view),
+        _size: (torch.Tensor.size,),
+        _query: tuple(getattr(torch.Tensor, n) for n in ("dim", "ndimension", "element_size", "is_floating_point",
+                                                          "is_contiguous", "get_device", "__format__", "__repr__")),
+        _sum_mean: (torch.sum, torch.Tensor.sum, torch.mean, torch.Tensor.mean),
+        _extreme: tuple(getattr(o, n) for o in (torch, torch.Tensor) for n in ("amax", "amin", "max", "min")),
+        _softmax: (torch.softmax, torch.Tensor.softmax, torch.log_softmax, torch.Tensor.log_softmax, F.softmax,
+                   F.log_softmax),
+        _logsumexp: (torch.logsumexp, torch.Tensor.logsumexp),
+        _matmul: (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm),
+        _einsum: (torch.einsum,),
+    }
+    for rule, funcs in table.items():
+        for f in funcs:
+            POSITION_RULES[f] = rule
+    if hasattr(torch.Tensor, "__rmatmul__"):
+        POSITION_RULES[torch.Tensor.__rmatmul__] = lambda mode, func, args, kwargs: _matmul(
+            mode, torch.matmul, (args[1], args[0]), {})
+    POSITION_PROPERTY_RULES.update(shape=_shape_property)
+
+
+POSITION_PROPERTY_RULES: dict = {}
+"""Tensor attributes of flattened positions, by name (``x.shape`` answers with the whole image's count)."""
+_register()
