@@ -9,11 +9,13 @@ than the grid is computed whole on every worker instead (see ``ShardMode.windowe
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..geometry.boxes import TransposedWindow, Window, shard_box
 from ..geometry.index_maps import PadMap, Resize, resize_sizes
@@ -151,7 +153,7 @@ def _avg_pool(mode: ShardMode, func, args, kwargs):
                 continue
             view = [1] * out.dim()
             view[out.dim() - mode.dims + axis] = -1
-            t = torch.tensor(counts, dtype=out.dtype, device=out.device).view(view)
+            t = _constant(tuple(counts), out.dtype, out.device).view(view)
             divisor = t if divisor is None else divisor * t
         if divisor is None:
             return out if uniform == volume else out * (volume / uniform)
@@ -227,18 +229,38 @@ def _conv_transpose(mode: ShardMode, func, args, kwargs):
     return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=None), out_shape)
 
 
+def _constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small index or weight tensor that depends on geometry only, made once per device and dtype.
+
+    Built from a Python list on every call it is a host-to-device copy (a sync on CUDA) in the hot path.
+    Under a tracer (``torch.compile``, a fake or other dispatch mode) it is built afresh, so no traced
+    tensor is kept.
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _cached_constant(values, dtype, device)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Made outside inference mode, so a tensor first built while predicting can still be saved for a
+    # later backward; callers only read it.
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _apply_taps(region: torch.Tensor, taps, dims: int) -> torch.Tensor:
     out = region
     for axis, axis_taps in enumerate(taps):
         dim = out.dim() - dims + axis
         total = None
         for idx, weights in axis_taps:
-            index = torch.tensor(idx, dtype=torch.long, device=out.device)
+            index = _constant(tuple(idx), torch.long, out.device)
             picked = out.index_select(dim, index)
             if weights is not None:
                 view = [1] * out.dim()
                 view[dim] = -1
-                picked = picked * torch.tensor(weights, dtype=out.dtype, device=out.device).view(view)
+                picked = picked * _constant(tuple(weights), out.dtype, out.device).view(view)
             total = picked if total is None else total + picked
         out = total
     return out
