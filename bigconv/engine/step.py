@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from .. import losses, saving
 from ..ops.mode import ShardMode
+from ..ops.random import RandomDraws
 from ..ops.shards import ModulePath, mark
 from ..transport import WorkerRuntime
 from .buckets import GradBuckets
@@ -27,10 +28,12 @@ from .executor import ShardExecutor
 
 
 class ShardEngine:
-    def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None) -> None:
+    def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None, seed: int = 0) -> None:
         """``rt`` carries this shard's index, device, timeout and links; ``grad_group`` the ranks whose
-        gradients are summed (None: the default group)."""
+        gradients are summed (None: the default group); ``seed`` the model's random draws' (equal on
+        every shard; a data-parallel replica mixes its number in, its images being other images)."""
         self.rt = rt
+        self.random = RandomDraws(seed, stream=getattr(rt, "replica", 0) or 0)
         self.model = model.to(rt.device)
         self.path = ModulePath(self.model)
         self.opt: torch.optim.Optimizer | None = None
@@ -52,7 +55,8 @@ class ShardEngine:
         x = mark(x_local.to(self.rt.device), in_shape)
         if grad == "input":
             self.last_input = x.requires_grad_(True)
-        with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call, self.rt), self.path):
+        mode = ShardMode(ShardExecutor(grid, call, self.rt), self.path, random=self.random.next_forward())
+        with torch.set_grad_enabled(bool(grad)), mode:
             return self.model(x)
 
     def dense_loss(self, loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor, group=None):

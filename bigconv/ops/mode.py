@@ -37,6 +37,7 @@ from .shards import (
     FIX_GENERIC, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath, UnsupportedOperation,
     global_shape, is_replicated, mark, op_name, spatial_dims, trailing, tree_flatten,
 )
+from .random import ForwardDraws, RandomDraws
 from .table import LAYOUT_AWARE, PROPERTY_RULES, RULES, WHOLE_RULES
 
 
@@ -51,10 +52,12 @@ def active_mode() -> "ShardMode | None":
 
 class ShardMode(TorchFunctionMode):
     def __init__(self, executor: Executor, path: ModulePath | None = None,
-                 known: set[tuple[int, ...]] | None = None) -> None:
+                 known: set[tuple[int, ...]] | None = None, random: ForwardDraws | None = None) -> None:
         super().__init__()
         self.executor = executor
         self.path = path
+        self.random = random or RandomDraws(0).next_forward()
+        """This forward's random draws, the same on every shard (``bigconv.ops.random``)."""
         self.known: set[tuple[int, ...]] = set(known or ())
         """Global spatial shapes of the sharded tensors this forward has seen: a factory or an
         upsampling asked for one of them builds a sharded tensor."""

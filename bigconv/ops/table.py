@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, reduce, window
+from . import layout, norm, random, reduce, window
 
-MODULES = (layout, reduce, window, norm)
+MODULES = (layout, reduce, window, norm, random)
 
 
 def _merge(name: str) -> Mapping:
