@@ -15,7 +15,6 @@ in reverse order, so that reductions over the batch also sum in another order.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -23,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from .data.sources import SourceBatch, is_source_batch, read_targets
+from .engine.dry_run import copy_model
 from .ops.random import RandomDraws
 from .parallel import parallelize
 from .runtime.world import World  # or an SPMD world
@@ -221,7 +221,7 @@ def perturbed_copy(model: torch.nn.Module, x: torch.Tensor, seed: int) -> tuple[
     summation order does not.
     """
     generator = torch.Generator().manual_seed(seed)
-    other = copy.deepcopy(model)
+    other = copy_model(model)
     with torch.no_grad():
         for t in (*other.parameters(), *other.buffers()):
             t.copy_(perturb_one_ulp(t, generator))
@@ -253,7 +253,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), xt.dtype)
     tol = DEFAULT_TOL.get(dtype, 1e-2) if tol is None else tol
     # The single-process runs first, on copies: parallelize leaves ``model`` to the workers.
-    ref = train_single(copy.deepcopy(model), xt, yt, loss_fn, steps, optimizer, opt_kwargs, seed)
+    ref = train_single(copy_model(model), xt, yt, loss_fn, steps, optimizer, opt_kwargs, seed)
     noise = measure_noise(model, xt, yt, loss_fn, ref, steps, optimizer, opt_kwargs, seed=seed)
     net = parallelize(model, world, grid=grid, replicas=replicas, transport=transport, seed=seed)
     out = net(x)

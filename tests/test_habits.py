@@ -131,3 +131,36 @@ def test_unsupported_draws_are_refused(world):
     net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), Shuffle()).double(), world, grid=(2, 2))
     with pytest.raises(ValueError, match="each worker would draw its own values"):
         net.plan(torch.zeros(1, 1, 8, 8, dtype=torch.float64))
+
+
+def parametrized_net(old_style: bool) -> nn.Module:
+    from torch.nn.utils import parametrizations
+
+    wn = nn.utils.weight_norm if old_style else parametrizations.weight_norm
+    sn = nn.utils.spectral_norm if old_style else parametrizations.spectral_norm
+    return nn.Sequential(
+        wn(nn.Conv2d(2, 4, 3, padding=1)), nn.ReLU(), sn(nn.Conv2d(4, 4, 3, padding=1)), nn.Tanh(),
+        wn(nn.Conv2d(4, 4, 3, stride=2)), nn.AdaptiveAvgPool2d(1), nn.Flatten(), sn(nn.Linear(4, 3)),
+    ).double()
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("old_style", [False, True], ids=["parametrizations", "hooks"])
+def test_parametrized_weights_train_exactly(world, old_style):
+    """weight_norm and spectral_norm (whose power iteration updates u and v in every training forward):
+    the weights, their originals and the power-iteration buffers end as one process's on every replica."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nn.utils.weight_norm is deprecated
+        model = parametrized_net(old_style).train()
+    x = torch.randn(2, 2, 12, 10, dtype=torch.float64)
+    y = torch.randint(0, 3, (2,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=(2, 2))
+    assert_exact(r)
+    names = {t["tensor"] for t in r["tensors"] if t["category"] == "weights"}
+    assert any(n.endswith(("_u", "weight_u", "original0")) for n in names), names

@@ -34,10 +34,22 @@ class DryRunResult:
     out_full_shape: tuple[int, ...]
 
 
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, also for a model holding computed tensors as attributes: the old
+    ``torch.nn.utils.weight_norm`` keeps ``weight`` as a non-leaf (recomputed before every forward),
+    which ``deepcopy`` refuses; the copy gets it detached."""
+    memo: dict = {}
+    for module in model.modules():
+        for value in module.__dict__.values():
+            if isinstance(value, torch.Tensor) and not value.is_leaf:
+                memo[id(value)] = value.detach().clone()
+    return copy.deepcopy(model, memo)
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """The model on meta tensors; scalar buffers stay real, because forward code may read them
     (BatchNorm with momentum=None divides by ``num_batches_tracked``)."""
-    meta = copy.deepcopy(model)
+    meta = copy_model(model)
     scalars = {name: buf for name, buf in meta.named_buffers() if buf.dim() == 0}
     meta.to("meta")
     for name, buf in scalars.items():
