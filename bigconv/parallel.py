@@ -23,6 +23,7 @@ from .geometry.boxes import shard_box, all_coords, validate_grid
 from .planning import Plan, Planner
 from .runtime.replica import TRANSPORTS, to_payload
 from .ops.random import random_seed
+from .ops.support import unwrap_compiled
 from .transport import WorkerFailure
 from .runtime.world import World
 
@@ -54,9 +55,11 @@ class ParallelModel:
     """A model whose forward and training run on the workers of a ``World``."""
 
     def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None, check_finite: bool = False,
-                 transport: str = "p2p", seed: int | None = None) -> None:
+                 transport: str = "p2p", seed: int | None = None, compile: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        model, compiled = unwrap_compiled(model)
+        self.compile = bool(compile) or compiled
         if not isinstance(world, World):
             raise ValueError(f"parallelize expects a bigconv.World, got {type(world).__name__}")
         check_transport(transport)
@@ -75,7 +78,7 @@ class ParallelModel:
         self.seed = random_seed(seed)
         payload = to_payload(model)
         world.drop_retired_models()  # before this one takes their memory
-        world.call(worker.install, [(self.id, payload, transport, self.seed)] * world.workers, "installing the model")
+        world.call(worker.install, [(self.id, payload, transport, self.seed, self.compile)] * world.workers, "installing the model")
         weakref.finalize(self, world.retire_model, self.id)
 
     def plan(self, x) -> Plan:
@@ -310,7 +313,8 @@ def check_scalar(loss) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *, replicas: int = 1,
-                check_finite: bool = False, transport: str = "p2p", seed: int | None = None) -> ParallelModel:
+                check_finite: bool = False, transport: str = "p2p", seed: int | None = None,
+                compile: bool = False) -> ParallelModel:
     """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input).
 
     On an SPMD world (``World.from_env(mode="spmd")``) every rank calls this with the same arguments;
@@ -331,6 +335,11 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
     shard makes as one process drawing once would (``bigconv.ops.random``); None draws one from torch's
     generator (on an SPMD world, rank 0's). One process draws the same values under
     ``bigconv.ops.random.RandomDraws(seed).forward()``, one context per forward.
+
+    ``compile``: every worker (SPMD: every rank) runs its shard's forward through ``torch.compile``.
+    ``parallelize(torch.compile(model))`` does the same: the dry run and the rules see the original
+    module (``_orig_mod``). Dynamo compiles what it can trace and runs the rest (bigconv's rules and
+    halo exchanges, which live in a TorchFunctionMode) eagerly; the results are exact either way.
     """
     from .spmd import SpmdModel, SpmdWorld
 
@@ -339,8 +348,8 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
         if transport != "p2p":
             raise ValueError("an SPMD world exchanges halos point-to-point only; leave transport='p2p' "
                              "(transport='rpc' is for the driver mode)")
-        return SpmdModel(model, world, grid, replicas, check_finite, seed)
+        return SpmdModel(model, world, grid, replicas, check_finite, seed, compile)
     if replicas != 1:
         raise ValueError(f"replicas={replicas} needs an SPMD world (World.from_env(mode='spmd') under torchrun, "
                          "srun or jsrun); a driver-mode World has one replica")
-    return ParallelModel(model, world, grid, check_finite, transport, seed)
+    return ParallelModel(model, world, grid, check_finite, transport, seed, compile)

@@ -24,6 +24,7 @@ import torch
 from .data.sources import SourceBatch, is_source_batch, read_targets
 from .engine.dry_run import copy_model
 from .ops.random import RandomDraws
+from .ops.support import unwrap_compiled
 from .parallel import parallelize
 from .runtime.world import World  # or an SPMD world
 
@@ -188,7 +189,8 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     with draws.forward():
         out = model(xr)
     loss_fn(out, y).backward()
-    param_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    plain = unwrap_compiled(model)[0]  # torch.compile(model): the names are the module's own
+    param_grads = {n: p.grad.clone() for n, p in plain.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     opt = optimizer(model.parameters(), **opt_kwargs)
     losses = []
@@ -200,7 +202,7 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    return Run(output, xr.grad, param_grads, losses, model.state_dict())
+    return Run(output, xr.grad, param_grads, losses, plain.state_dict())
 
 
 def perturb_one_ulp(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -164,3 +164,125 @@ def test_parametrized_weights_train_exactly(world, old_style):
     assert_exact(r)
     names = {t["tensor"] for t in r["tensors"] if t["category"] == "weights"}
     assert any(n.endswith(("_u", "weight_u", "original0")) for n in names), names
+
+
+class Offloaded(nn.Module):
+    """Activations saved for backward go to host memory (``save_on_cpu``), as IBM LMS users do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+    def forward(self, x):
+        with torch.autograd.graph.save_on_cpu():
+            x = self.b(torch.tanh(self.a(x)))
+        return self.head(torch.relu(x))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_save_on_cpu_trains_exactly(world):
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 12, 10, dtype=torch.float64)
+    r = compare_training(Offloaded().double(), world, x, torch.randint(0, 3, (2,)), nn.CrossEntropyLoss(), grid=(2, 2))
+    assert_exact(r)
+
+
+class PlainAttribute(nn.Module):
+    """A tensor held as a plain attribute (not a buffer): ``model.to(device)`` would not move it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.scale = torch.ones(1, 2, 1, 1)
+
+    def forward(self, x):
+        return self.conv(x) * self.scale
+
+
+def test_dry_run_is_all_meta(monkeypatch):
+    """A real tensor other than a CPU scalar in the dry run is a clear error; 0-dim buffers (BatchNorm's
+    ``num_batches_tracked``) are kept on the CPU whatever the model's device."""
+    from bigconv.engine.dry_run import dry_run, meta_copy
+
+    with pytest.raises(ValueError, match=r"tensor of shape \(1, 2, 1, 1\) on cpu.*'<root>' \(PlainAttribute\).*"
+                                         r"register_buffer"):
+        dry_run(meta_copy(PlainAttribute()), (2, 2), (1, 1, 8, 8), torch.float32, True)
+    bn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2, momentum=None))
+    moved = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(t, *args, **kwargs):  # on a CUDA host the scalar would come from the GPU: record the move
+        moved.append(tuple(t.shape))
+        return real_cpu(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    meta = meta_copy(bn)
+    monkeypatch.undo()
+    assert () in moved
+    assert {b.device.type for b in meta.buffers()} == {"meta", "cpu"}
+    assert {b.device.type for b in meta.buffers() if b.dim()} == {"meta"}
+    dry_run(meta, (2, 2), (1, 1, 8, 8), torch.float32, True)
+
+
+def test_planned_shapes_are_checked_against_one_process():
+    """The guard names the module whose planned global shape differs from one process's."""
+    from bigconv.engine.dry_run import PlanMismatch, check_shapes, meta_copy
+
+    meta = meta_copy(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()))
+    right = [("'0' (Conv2d)", [(1, 2, 6, 6)]), ("'1' (ReLU)", [(1, 2, 6, 6)]), ("'<root>' (Sequential)", [(1, 2, 6, 6)])]
+    check_shapes(meta, right, (1, 1, 8, 8), torch.float32, True)
+    wrong = right[:1] + [("'1' (ReLU)", [(1, 2, 7, 6)])] + right[2:]
+    with pytest.raises(PlanMismatch, match=r"\[\(1, 2, 7, 6\)\] for module '1' \(ReLU\).*one process gives "
+                                           r"\[\(1, 2, 6, 6\)\].*bug in bigconv"):
+        check_shapes(meta, wrong, (1, 1, 8, 8), torch.float32, True)
+
+
+def test_smp_efficientnet_plans_one_process_shape():
+    """smp's EfficientNet pads with F.pad computed from x.shape, then returns its input as the first feature:
+    the pad rule marked that very input with the padded shape, so the plan became 65x65."""
+    import segmentation_models_pytorch as smp
+
+    from bigconv.planning import Planner
+
+    torch.manual_seed(0)
+    model = smp.Unet(encoder_name="efficientnet-b0", encoder_weights=None, encoder_depth=3,
+                     decoder_channels=(16, 8, 8), classes=2)
+    plan = Planner(model, (2, 2), 4, False).plan(torch.zeros(1, 3, 64, 64), True)
+    assert plan.out_full_shape == (1, 2, 64, 64)
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 3, 3, stride=2)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x))).mean((2, 3))
+
+
+@pytest.mark.world(2)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["compiled_model", "compile_option"])
+def test_torch_compile_trains_exactly(world, how):
+    """``parallelize(torch.compile(model))`` and ``parallelize(model, compile=True)``: every worker runs its
+    shard's forward through torch.compile; the one process runs the compiled (or plain) model."""
+    torch.manual_seed(0)
+    model = Tiny().double()
+    x = torch.randn(2, 2, 10, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (2,))
+    if how == "compiled_model":
+        r = compare_training(torch.compile(model), world, x, y, nn.CrossEntropyLoss(), grid=(2, 1))
+    else:
+        import bigconv.verify as verify
+
+        real = verify.parallelize
+        verify.parallelize = lambda *a, **k: real(*a, compile=True, **k)
+        try:
+            r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=(2, 1))
+        finally:
+            verify.parallelize = real
+    assert_exact(r)

@@ -84,6 +84,9 @@ class ShardMode(TorchFunctionMode):
             f"bigconv cannot decompose {op_name(func)} in {self.where()}: {reason}. {fix}"
         )
 
+    # Under torch.compile the rules run eagerly: they exchange halos and tag tensors with Python
+    # attributes, which dynamo cannot trace (it fails inside them rather than breaking the graph).
+    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]

@@ -15,6 +15,17 @@ CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The module under ``torch.compile(model)`` and whether it was compiled: the dry run and the
+    shards' rules run the original module's forward (each shard compiles its own, see
+    ``bigconv.engine.step``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        return model._orig_mod, True
+    return model, False
+
+
 def conv_dims(model: nn.Module) -> int | None:
     """Spatial dims of the model's convolutions, or None when it has none."""
     dims = {int(c.__name__[-2]) for m in model.modules() for c in CONV + CONV_TRANSPOSE if isinstance(m, c)}

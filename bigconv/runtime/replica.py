@@ -97,7 +97,7 @@ do) or ``rpc`` (halos pushed over RPC, backward by distributed autograd from the
 class Replica:
     """This worker's copy of one model and its shard's engine, on the transport the driver chose."""
 
-    def __init__(self, model: torch.nn.Module, transport_name: str, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, transport_name: str, seed: int = 0, compile: bool = False) -> None:
         proc = transport.runtime()
         if transport_name == "p2p":
             rt = WorkerRuntime(index=proc.index, workers=proc.workers, device=proc.device, timeout=proc.timeout,
@@ -107,14 +107,14 @@ class Replica:
             rt = proc  # its mailbox takes the RPC pushes
         self.transport = transport_name
         self.rt = rt
-        self.engine = ShardEngine(model, rt, seed=seed)
+        self.engine = ShardEngine(model, rt, seed=seed, compile=compile)
         self.model = self.engine.model
         self.kept: torch.Tensor | None = None
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
 
     @classmethod
-    def from_payload(cls, payload: bytes, transport_name: str, seed: int = 0) -> "Replica":
-        return cls(pickle.loads(payload), transport_name, seed)
+    def from_payload(cls, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "Replica":
+        return cls(pickle.loads(payload), transport_name, seed, compile)
 
     def _forward(self, call: int, grid, shape, x, grad) -> torch.Tensor:
         if self.transport == "rpc":

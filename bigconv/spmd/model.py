@@ -31,6 +31,7 @@ from ..planning import Plan, Planner
 from ..saving import rng_state, set_rng_state
 from ..engine.step import ShardEngine
 from ..ops.random import random_seed
+from ..ops.support import unwrap_compiled
 from ..transport import WorkerRuntime, new_stats
 from ..transport.p2p import P2PLink
 from ..runtime.spmd_world import SpmdWorld
@@ -57,9 +58,10 @@ class SpmdModel:
     """A model trained by every rank of an SPMD world, each on its own shard (see the module doc)."""
 
     def __init__(self, model: nn.Module, world: SpmdWorld, grid, replicas: int = 1, check_finite: bool = False,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, compile: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        model, compiled = unwrap_compiled(model)
         world.check_usable()
         grid, spatial = check_layout(world, grid, replicas)
         self.planner = Planner(model, grid, spatial, check_finite)
@@ -80,7 +82,7 @@ class SpmdModel:
                                       world.timeout, self.stats)
         seed_t = torch.tensor([random_seed(seed)], dtype=torch.int64)
         dist.broadcast(seed_t, src=0)  # every rank draws with rank 0's seed
-        self.engine = ShardEngine(model, rt, seed=int(seed_t.item()))
+        self.engine = ShardEngine(model, rt, seed=int(seed_t.item()), compile=bool(compile) or compiled)
         self.model = self.engine.model
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:
