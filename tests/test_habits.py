@@ -286,3 +286,39 @@ def test_torch_compile_trains_exactly(world, how):
         finally:
             verify.parallelize = real
     assert_exact(r)
+
+
+class CheckpointedDropout(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.block = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Dropout(0.4), nn.Tanh(), DropPath(0.25),
+                                   nn.Conv2d(4, 4, 3, padding=1))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.3), nn.Linear(4, 3))
+
+    def forward(self, x):
+        if self.checkpointed:
+            x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        else:
+            x = self.block(x)
+        return self.head(x)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_checkpoint_recompute_draws_the_forward_masks(world):
+    """A checkpointed block's recompute (in backward) must draw the masks its forward drew: the
+    gradients equal those of the same model without checkpointing, on the same seed."""
+    torch.manual_seed(0)
+    plain = CheckpointedDropout(False).double().train()
+    ckpt = copy.deepcopy(plain)
+    ckpt.checkpointed = True
+    x = torch.randn(4, 1, 12, 10, dtype=torch.float64)
+    y = torch.randint(0, 3, (4,))
+    got = [bigconv.parallelize(m, world, grid=(2, 2), seed=9).gradients(x, y, nn.CrossEntropyLoss())
+           for m in (plain, ckpt)]
+    (loss_a, gx_a, gp_a), (loss_b, gx_b, gp_b) = got
+    assert loss_a == loss_b and torch.equal(gx_a, gx_b)
+    assert gx_a.abs().sum() > 0 and set(gp_a) == set(gp_b)
+    for name in gp_a:
+        assert torch.equal(gp_a[name], gp_b[name]), name

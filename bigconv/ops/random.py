@@ -65,6 +65,12 @@ class ForwardDraws:
         self.base = _mix(_mix(_mix(seed & _M32) ^ (seed >> 32 & _M32)) ^ _mix(forward & _M32) ^ _mix(stream + 0x9E37))
         self.count = 0
 
+    def fork(self) -> "ForwardDraws":
+        """These draws from here on, again: a checkpointed block's recompute draws what its forward drew."""
+        other = ForwardDraws.__new__(ForwardDraws)
+        other.base, other.count = self.base, self.count
+        return other
+
     def next_key(self) -> int:
         self.count += 1
         return _mix(self.base ^ _mix(self.count * 0x68E31DA4 & _M32))
