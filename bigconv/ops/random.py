@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..geometry.boxes import shard_box
-from .shards import bind, global_shape, global_size, mark, trailing, tree_flatten
+from .shards import bind, global_shape, global_size, mark, trailing
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -276,6 +276,7 @@ DRAWS = (torch.bernoulli, torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch
          torch.Tensor.normal_, torch.rand_like, torch.randn_like)
 FACTORIES = (torch.rand, torch.randn)
 REFUSED = tuple(f for o in (torch, torch.Tensor, F) for n in _REFUSED if (f := getattr(o, n, None)) is not None)
+_ALL = frozenset(DROPOUTS + DRAWS + FACTORIES)
 
 
 # -- under ShardMode -----------------------------------------------------------------------------------
@@ -342,6 +343,8 @@ class ConsistentRandom(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _ALL:
+            return func(*args, **kwargs)
         if func in DROPOUTS:
             return dropout(func, args, kwargs, _whole, self.draws)
         if func in DRAWS:
@@ -350,6 +353,4 @@ class ConsistentRandom(TorchFunctionMode):
             size = _sizes(args, kwargs)
             kwargs = {k: v for k, v in kwargs.items() if k not in ("size", "generator")}
             return factory(func, args, kwargs, size, size, [0] * len(size), self.draws)
-        if func in REFUSED and any(isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]):
-            pass  # one process draws these with torch's generator; bigconv refuses them on shards
-        return func(*args, **kwargs)
+        return func(*args, **kwargs)  # randint, randperm...: torch's generator (refused on shards)
