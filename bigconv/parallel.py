@@ -332,8 +332,8 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
     through host memory. Both train to the same weights. An SPMD world is always ``p2p``.
 
     ``seed``: of the random draws in the model's forward (dropout, stochastic depth, noise), which every
-    shard makes as one process drawing once would (``bigconv.ops.random``); None draws one from torch's
-    generator (on an SPMD world, rank 0's). One process draws the same values under
+    shard makes as one process drawing once would (``bigconv.ops.random``); None takes torch's initial
+    seed (what ``torch.manual_seed`` set; on an SPMD world, rank 0's). One process draws the same values under
     ``bigconv.ops.random.RandomDraws(seed).forward()``, one context per forward.
 
     ``compile``: every worker (SPMD: every rank) runs its shard's forward through ``torch.compile``.

@@ -98,10 +98,10 @@ class RandomDraws:
 
 
 def random_seed(seed: int | None) -> int:
-    """The seed of a model's random draws (dropout, stochastic depth): ``seed``, or one drawn from torch's
-    generator, so that ``torch.manual_seed`` before ``parallelize`` reproduces a run."""
+    """The seed of a model's random draws (dropout, stochastic depth): ``seed``, or torch's initial seed
+    (what ``torch.manual_seed`` set), read without advancing torch's generator."""
     if seed is None:
-        return int(torch.randint(0, 2 ** 62, ()).item())
+        return torch.initial_seed() & (2 ** 62 - 1)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     return seed
