@@ -108,8 +108,9 @@ def random_seed(seed: int | None) -> int:
 
 
 # -- values from positions -------------------------------------------------------------------------
-def _index(full: Sequence[int], offsets: Sequence[int], local: Sequence[int], device) -> torch.Tensor:
-    """Global row-major linear indices of a local block at ``offsets`` of a tensor of size ``full``."""
+def _index(full: Sequence[int], offsets: Sequence[int], local: Sequence[int], device) -> tuple[torch.Tensor, bool]:
+    """Global row-major linear indices of a local block at ``offsets`` of a tensor of size ``full``, and
+    whether they may exceed 32 bits (then their high half is hashed too)."""
     idx = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for d in reversed(range(len(local))):
@@ -118,29 +119,45 @@ def _index(full: Sequence[int], offsets: Sequence[int], local: Sequence[int], de
         ar = torch.arange(offsets[d], offsets[d] + local[d], dtype=torch.int64, device=device) * stride
         idx = idx + ar.view(view)
         stride *= full[d]
-    return idx.expand(tuple(local))
+    return idx.expand(tuple(local)), stride > _M32
 
 
-def _bits(idx: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-    a = _mix((idx & _M32) ^ _mix(key))
-    a = _mix(a ^ (idx >> 32) ^ _mix(key ^ 0x5BD1E995))
-    return a, _mix(a ^ 0x27D4EB2F)
+def _mix_(h: torch.Tensor) -> torch.Tensor:
+    """``_mix`` in place on an int64 tensor (the draws' cost is these few passes over the block)."""
+    h.bitwise_xor_(h >> 16).mul_(0x7FEB352D).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15).mul_(0x846CA68B).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def _hash(index: tuple[torch.Tensor, bool], key: int) -> torch.Tensor:
+    """32 random bits per position: a hash of the key and the position's global index."""
+    idx, big = index
+    if not big:
+        return _mix_(idx ^ _mix(key))
+    h = _mix_((idx & _M32) ^ _mix(key))
+    return _mix_(h.bitwise_xor_((idx >> 32) ^ _mix(key ^ 0x5BD1E995)))
+
+
+def _keep(index: tuple[torch.Tensor, bool], key: int, p: float) -> torch.Tensor:
+    """Bernoulli(1 - p) in integers: 32 bits against p's threshold (p resolved to 2**-32)."""
+    return _hash(index, key) >= math.ceil(p * 2.0 ** 32)
 
 
 _SIGNIFICAND = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 
-def _uniform(idx: torch.Tensor, key: int, dtype: torch.dtype) -> torch.Tensor:
+def _uniform(index: tuple[torch.Tensor, bool], key: int, dtype: torch.dtype) -> torch.Tensor:
     """U[0, 1) with as many bits as ``dtype``'s significand holds (53 in float64), never 1."""
-    a, b = _bits(idx, key)
+    a = _hash(index, key)
     mant = _SIGNIFICAND.get(dtype, 53)
     if mant > 32:
-        bits = (a << (mant - 32)) | (b >> (64 - mant))
+        b = _mix_(a ^ 0x27D4EB2F)
+        bits = (a << (mant - 32)).bitwise_or_(b >> (64 - mant))
         return bits.to(torch.float64) * 2.0 ** -mant
     return ((a >> (32 - mant)).to(torch.float64) * 2.0 ** -mant).to(dtype)
 
 
-def _normal(idx: torch.Tensor, key: int, dtype: torch.dtype) -> torch.Tensor:
+def _normal(idx: tuple[torch.Tensor, bool], key: int, dtype: torch.dtype) -> torch.Tensor:
     u1 = _uniform(idx, key, torch.float64)
     u2 = _uniform(idx, _mix(key ^ 0x3C6EF372), torch.float64)
     return (torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2.0 * math.pi * u2)).to(dtype)
@@ -183,11 +200,12 @@ def _keep_mask(x: torch.Tensor, p: float, name: str, locate: Locate, key: int) -
     """Bernoulli(1 - p) per element, or for feature dropout per (batch, channel), broadcast over positions."""
     spatial = _FEATURE_DIMS.get(name, x.dim() - 2) if name in _FEATURE_DIMS or name == "feature_alpha_dropout" else 0
     if not spatial:
-        return _draw_like(x, locate, key, _uniform, torch.float64) >= p
+        full, offsets = locate(x)
+        return _keep(_index(full, offsets, x.shape, x.device), key, p)
     # The mask covers the leading (batch, channel) dims, which are never split over the grid.
     lead = tuple(x.shape[: x.dim() - spatial])
-    u = _uniform(_index(lead, (0,) * len(lead), lead, x.device), key, torch.float64) >= p
-    return u.reshape(*lead, *([1] * spatial))
+    keep = _keep(_index(lead, (0,) * len(lead), lead, x.device), key, p)
+    return keep.reshape(*lead, *([1] * spatial))
 
 
 def dropout(func, args, kwargs, locate: Locate, key_source: ForwardDraws) -> torch.Tensor:
