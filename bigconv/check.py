@@ -21,7 +21,6 @@ import torch
 from .geometry.boxes import check_positive_int, choose_grid, validate_grid
 from .harness.inspection import as_dict, estimate_memory, layer_report
 from .harness.model_spec import FORMS, build_model
-from .ops.support import check_modules
 
 MiB = 2 ** 20
 
@@ -90,7 +89,6 @@ def check(args) -> dict:
     result = {"model": args.model, "input": list(shape), "workers": args.workers, "grid": list(grid)}
     model = build_model(args.model)
     try:
-        check_modules(model)
         rows, error = layer_report(model, shape, grid)
     except ValueError as exc:
         rows, error = [], exc

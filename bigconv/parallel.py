@@ -1,8 +1,8 @@
 """``bigconv.parallelize``: a plain ``torch.nn`` model, trained on a World, exactly.
 
-The driver validates everything it can before any remote work: module types when the model is
-parallelized; input rank, grid, image size and every layer's geometry in a dry run on meta tensors
-at the first call with a new input shape.
+The driver validates everything it can before any remote work: input rank, grid, image size and
+every operation of every layer in a dry run on meta tensors at the first call with a new input
+shape (there is no list of module types: the dry run decides).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .engine.executor import join_shards, split_shards
 from .geometry.boxes import shard_box, all_coords, validate_grid
 from .planning import Plan, Planner
 from .runtime.replica import TRANSPORTS, to_payload
-from .ops.support import check_modules
+from .ops.random import random_seed
+from .ops.support import unwrap_compiled
 from .transport import WorkerFailure
 from .runtime.world import World
 
@@ -54,14 +55,15 @@ class ParallelModel:
     """A model whose forward and training run on the workers of a ``World``."""
 
     def __init__(self, model: nn.Module, world: World, grid: tuple[int, ...] | None, check_finite: bool = False,
-                 transport: str = "p2p") -> None:
+                 transport: str = "p2p", seed: int | None = None, compile: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        model, compiled = unwrap_compiled(model)
+        self.compile = bool(compile) or compiled
         if not isinstance(world, World):
             raise ValueError(f"parallelize expects a bigconv.World, got {type(world).__name__}")
         check_transport(transport)
         world.check_usable()
-        check_modules(model)
         self.world = world
         self.transport = transport
         self.grid = validate_grid(grid, world.workers) if grid is not None else None
@@ -73,9 +75,10 @@ class ParallelModel:
         self.optimizer_class: str | None = None
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
+        self.seed = random_seed(seed)
         payload = to_payload(model)
         world.drop_retired_models()  # before this one takes their memory
-        world.call(worker.install, [(self.id, payload, transport)] * world.workers, "installing the model")
+        world.call(worker.install, [(self.id, payload, transport, self.seed, self.compile)] * world.workers, "installing the model")
         weakref.finalize(self, world.retire_model, self.id)
 
     def plan(self, x) -> Plan:
@@ -310,7 +313,8 @@ def check_scalar(loss) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *, replicas: int = 1,
-                check_finite: bool = False, transport: str = "p2p") -> ParallelModel:
+                check_finite: bool = False, transport: str = "p2p", seed: int | None = None,
+                compile: bool = False) -> ParallelModel:
     """Return ``model`` decomposed over ``world``'s workers on ``grid`` (None: balanced per input).
 
     On an SPMD world (``World.from_env(mode="spmd")``) every rank calls this with the same arguments;
@@ -326,6 +330,16 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
     is computed per shard (two otherwise). ``"rpc"`` pushes halos over RPC and runs backward by
     distributed autograd from the driver, the design of the ORNL study; it stages CUDA halos
     through host memory. Both train to the same weights. An SPMD world is always ``p2p``.
+
+    ``seed``: of the random draws in the model's forward (dropout, stochastic depth, noise), which every
+    shard makes as one process drawing once would (``bigconv.ops.random``); None takes torch's initial
+    seed (what ``torch.manual_seed`` set; on an SPMD world, rank 0's). One process draws the same values under
+    ``bigconv.ops.random.RandomDraws(seed).forward()``, one context per forward.
+
+    ``compile``: every worker (SPMD: every rank) runs its shard's forward through ``torch.compile``.
+    ``parallelize(torch.compile(model))`` does the same: the dry run and the rules see the original
+    module (``_orig_mod``). Dynamo compiles what it can trace and runs the rest (bigconv's rules and
+    halo exchanges, which live in a TorchFunctionMode) eagerly; the results are exact either way.
     """
     from .spmd import SpmdModel, SpmdWorld
 
@@ -334,8 +348,8 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
         if transport != "p2p":
             raise ValueError("an SPMD world exchanges halos point-to-point only; leave transport='p2p' "
                              "(transport='rpc' is for the driver mode)")
-        return SpmdModel(model, world, grid, replicas, check_finite)
+        return SpmdModel(model, world, grid, replicas, check_finite, seed, compile)
     if replicas != 1:
         raise ValueError(f"replicas={replicas} needs an SPMD world (World.from_env(mode='spmd') under torchrun, "
                          "srun or jsrun); a driver-mode World has one replica")
-    return ParallelModel(model, world, grid, check_finite, transport)
+    return ParallelModel(model, world, grid, check_finite, transport, seed, compile)

@@ -15,7 +15,6 @@ in reverse order, so that reductions over the batch also sum in another order.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -23,6 +22,9 @@ from typing import Callable, Sequence
 import torch
 
 from .data.sources import SourceBatch, is_source_batch, read_targets
+from .engine.dry_run import copy_model
+from .ops.random import RandomDraws
+from .ops.support import unwrap_compiled
 from .parallel import parallelize
 from .runtime.world import World  # or an SPMD world
 
@@ -123,17 +125,19 @@ Noise = dict  # (category, name) -> the largest max-norm move of that tensor und
 
 def measure_noise(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ref: Run, steps: int = 2,
                   optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None,
-                  runs: int = PERTURBED_RUNS) -> Noise:
+                  runs: int = PERTURBED_RUNS, seed: int = 0) -> Noise:
     """How far rounding alone moves each tensor of ``ref`` (the run of ``model`` on ``x``): the largest
     difference over ``runs`` runs of ``perturbed_copy``, every second one with the batch in reverse order
     (``_reversed_run``). One perturbed model lives at a time, so a large model costs two copies, not
     ``runs + 1``."""
     reference = named_tensors(ref)
     noise: Noise = {key: 0.0 for key in reference}
+    draws_seed = seed
     for seed in range(1, runs + 1):
         copy_, xp = perturbed_copy(model, x, seed)
-        run = _reversed_run(copy_, xp, y, loss_fn, ref, steps, optimizer, opt_kwargs) if seed % 2 == 0 else None
-        run = run or train_single(copy_, xp, y, loss_fn, steps, optimizer, opt_kwargs)
+        run = _reversed_run(copy_, xp, y, loss_fn, ref, steps, optimizer, opt_kwargs, draws_seed) if seed % 2 == 0 \
+            else None
+        run = run or train_single(copy_, xp, y, loss_fn, steps, optimizer, opt_kwargs, draws_seed)
         other = named_tensors(run)
         for key, want in reference.items():
             if want.is_floating_point() and key in other:
@@ -144,7 +148,7 @@ def measure_noise(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable,
 
 
 def _reversed_run(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ref: Run, steps: int,
-                  optimizer: type, opt_kwargs: dict | None) -> Run | None:
+                  optimizer: type, opt_kwargs: dict | None, seed: int = 0) -> Run | None:
     """The run on the batch in reverse order, its output and input gradient put back in order.
 
     Reductions over the batch (BatchNorm statistics, every weight gradient) then sum in another order,
@@ -158,7 +162,7 @@ def _reversed_run(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable,
     if n < 2 or not isinstance(y, torch.Tensor) or y.dim() == 0 or y.shape[0] != n:
         return None
     try:
-        run = train_single(model, x.flip(0), y.flip(0), loss_fn, steps, optimizer, opt_kwargs)
+        run = train_single(model, x.flip(0), y.flip(0), loss_fn, steps, optimizer, opt_kwargs, seed)
     except Exception:  # a model that cannot take the reordered batch: the other runs still measure
         return None
     if run.output.dim() == 0 or run.output.shape[0] != n:
@@ -170,27 +174,35 @@ def _reversed_run(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable,
 
 
 def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, steps: int = 2,
-                 optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None) -> Run:
+                 optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None, seed: int = 0) -> Run:
     """The single-process run, in the distributed run's order: forward, gradients, ``steps`` steps.
 
     Both sides run a training forward first, so buffers such as running statistics advance alike.
+    Random draws in the forward (dropout, stochastic depth) are those of a model parallelized with
+    ``seed`` (``bigconv.ops.random``), forward by forward.
     """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
-    with torch.no_grad():
+    draws = RandomDraws(seed)
+    with torch.no_grad(), draws.forward():
         output = model(x)
     xr = x.detach().clone().requires_grad_(True)
-    loss_fn(model(xr), y).backward()
-    param_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with draws.forward():
+        out = model(xr)
+    loss_fn(out, y).backward()
+    plain = unwrap_compiled(model)[0]  # torch.compile(model): the names are the module's own
+    param_grads = {n: p.grad.clone() for n, p in plain.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     opt = optimizer(model.parameters(), **opt_kwargs)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        with draws.forward():
+            out = model(x)
+        loss = loss_fn(out, y)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    return Run(output, xr.grad, param_grads, losses, model.state_dict())
+    return Run(output, xr.grad, param_grads, losses, plain.state_dict())
 
 
 def perturb_one_ulp(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -211,7 +223,7 @@ def perturbed_copy(model: torch.nn.Module, x: torch.Tensor, seed: int) -> tuple[
     summation order does not.
     """
     generator = torch.Generator().manual_seed(seed)
-    other = copy.deepcopy(model)
+    other = copy_model(model)
     with torch.no_grad():
         for t in (*other.parameters(), *other.buffers()):
             t.copy_(perturb_one_ulp(t, generator))
@@ -220,7 +232,8 @@ def perturbed_copy(model: torch.nn.Module, x: torch.Tensor, seed: int) -> tuple[
 
 def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
                      grid: Sequence[int] | None = None, steps: int = 2, optimizer: type = torch.optim.SGD,
-                     replicas: int = 1, tol: float | None = None, transport: str = "p2p", **opt_kwargs) -> dict:
+                     replicas: int = 1, tol: float | None = None, transport: str = "p2p", seed: int = 0,
+                     **opt_kwargs) -> dict:
     """Errors of the distributed forward, gradients, losses and weights after ``steps`` optimizer steps.
 
     Each of ``forward``, ``input_grad``, ``param_grads``, ``loss`` and ``weights`` is the worst
@@ -234,7 +247,7 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
     single process gets the same pixels read whole. On an SPMD world every rank calls this with the
     same arguments (``replicas`` as in ``parallelize``) and gets the same answer. ``transport``: the
-    driver mode's, as in ``parallelize``.
+    driver mode's, as in ``parallelize``. ``seed``: of the model's random draws, on both sides.
     """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
     xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
@@ -242,9 +255,9 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), xt.dtype)
     tol = DEFAULT_TOL.get(dtype, 1e-2) if tol is None else tol
     # The single-process runs first, on copies: parallelize leaves ``model`` to the workers.
-    ref = train_single(copy.deepcopy(model), xt, yt, loss_fn, steps, optimizer, opt_kwargs)
-    noise = measure_noise(model, xt, yt, loss_fn, ref, steps, optimizer, opt_kwargs)
-    net = parallelize(model, world, grid=grid, replicas=replicas, transport=transport)
+    ref = train_single(copy_model(model), xt, yt, loss_fn, steps, optimizer, opt_kwargs, seed)
+    noise = measure_noise(model, xt, yt, loss_fn, ref, steps, optimizer, opt_kwargs, seed=seed)
+    net = parallelize(model, world, grid=grid, replicas=replicas, transport=transport, seed=seed)
     out = net(x)
     _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
     net.optimizer(optimizer, **opt_kwargs)

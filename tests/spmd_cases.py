@@ -98,6 +98,14 @@ def _whole_map_loss(out, y):
     return nn.functional.smooth_l1_loss(out, y) + out.amax(dim=(2, 3)).square().mean()
 
 
+def _habit(name: str, *args):
+    def build():
+        import test_habits
+
+        return getattr(test_habits, name)(*args)
+    return build
+
+
 CASES: dict = {
     "cnn1d/(2,)/uneven": (2, _compare(lambda: CNN1D(in_channels=1, num_classes=3), (2, 1, 37), (2,))),
     "cnn2d/(2,1)": (2, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (2, 1, 19, 22), (2, 1))),
@@ -125,6 +133,9 @@ CASES: dict = {
     "hybrid/R2/(1,2)/fcn-per-pixel": (4, _compare(lambda: FCN2D(1, 3, width=4, depth=3), (4, 1, 24, 16),
                                                   (1, 2), target=_dense_ce((4, 1, 24, 16)), replicas=2)),
     "hybrid/R4/(1,1)": (4, _compare(lambda: CNN2D(in_channels=1, num_classes=3), (4, 1, 12, 12), (1, 1), replicas=4)),
+    # Training randomness (dropout, DropPath, StochasticDepth, noise) and parametrized weights (issue 22).
+    "random/(2,2)": (4, _compare(_habit("stochastic_net"), (4, 2, 13, 11), (2, 2))),
+    "parametrized/(2,2)": (4, _compare(_habit("parametrized_net", False), (2, 2, 12, 10), (2, 2))),
     # A loss over the whole map that no shard can compute alone (a per-image maximum).
     "fcn2d/whole-map-loss/(2,2)": (4, _compare(lambda: FCN2D(1, 3, width=4, depth=3), (2, 1, 24, 16), (2, 2),
                                                loss_fn=_whole_map_loss, target=_dense_float((2, 3, 24, 16)))),

@@ -519,11 +519,17 @@ ZOO: list[ZooEntry] = [
     _e("timm/mobilenetv4_conv_small_050", "mobilenet", timm_model("mobilenetv4_conv_small_050"), (4, 3, 96, 96), 2,
        (2, 1), note="batch 4 at 96²: at 2×64² its last BatchNorms see 8 values and one process's own rounding "
        "moves the loss by 1e-8"),
+    _e("timm/tinynet_e_droppath", "efficientnet", timm_model("tinynet_e", drop_path_rate=0.2, drop_rate=0.3),
+       (2, 3, 64, 64), 4, (2, 2), note="drop_path_rate=0.2 and head dropout 0.3, in training mode"),
     _e("timm/mixnet_s", "efficientnet", timm_model("mixnet_s"), (2, 3, 64, 64), 2, (2, 1)),
     _e("timm/lcnet_050", "mobilenet", timm_model("lcnet_050"), (2, 3, 64, 64), 3, (3, 1)),
     _e("timm/convnext_atto", "convnext",
        timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128)), (2, 3, 64, 64), 2, (2, 1), fast=True,
        note="conv_mlp=True (LayerNorm2d), depths 1, dims 16..128"),
+    _e("timm/convnext_atto_droppath", "convnext",
+       timm_model("convnext_atto", depths=(1, 2, 1, 1), dims=(16, 32, 64, 128), drop_path_rate=0.3), (2, 3, 64, 64),
+       4, (2, 2), note="drop_path_rate=0.3 in training mode: stochastic depth drawn once per image, equal on every "
+       "shard (bigconv.ops.random)"),
     _e("timm/convnext_atto_linear", "convnext",
        timm_model("convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128), conv_mlp=False), (2, 3, 64, 64), 2,
        (1, 2), note="conv_mlp=False: channels-last LayerNorm + Linear MLP"),
@@ -562,6 +568,9 @@ ZOO: list[ZooEntry] = [
     # -- segmentation_models_pytorch -----------------------------------------------------------------
     _e("smp/Unet", "unet", smp_model("Unet", encoder_depth=3, decoder_channels=(16, 8, 8)), (2, 3, 64, 64), 2,
        (2, 1), dense=True, fast=True, note="resnet18 encoder, depth 3"),
+    _e("smp/Unet_efficientnet-b0", "unet", smp_model("Unet", encoder_name="efficientnet-b0", encoder_depth=3,
+                                                     decoder_channels=(16, 8, 8)), (1, 3, 64, 64), 4, (2, 2),
+       dense=True, note="smp's own EfficientNet: dynamic TF 'same' padding from x.shape (planned 65x65 before)"),
     _e("smp/UnetPlusPlus", "unet", smp_model("UnetPlusPlus", encoder_depth=3, decoder_channels=(16, 8, 8)),
        (1, 3, 64, 64), 4, (2, 2), dense=True, note="resnet18 encoder, depth 3"),
     _e("smp/FPN", "fpn", smp_model("FPN", encoder_depth=5, decoder_pyramid_channels=32,

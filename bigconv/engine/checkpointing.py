@@ -76,8 +76,8 @@ def _recording(executor: ShardExecutor, cache: dict, inner):
 
 
 @contextlib.contextmanager
-def _replaying(mode: ShardMode, start: int, cache: dict, known: set, inner):
-    with ShardMode(ReplayExecutor(mode.executor, start, cache), mode.path, known), inner:
+def _replaying(mode: ShardMode, start: int, cache: dict, known: set, draws, inner):
+    with ShardMode(ReplayExecutor(mode.executor, start, cache), mode.path, known, draws.fork()), inner:
         yield
 
 
@@ -94,10 +94,11 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, context_fn=to
         with torch.no_grad():
             return function(*args, **{k: v for k, v in kwargs.items() if k != "preserve_rng_state"})
     executor, cache, start, known = mode.executor, {}, mode.executor.exchange, set(mode.known)
+    draws = mode.random.fork()  # the recompute draws the forward's dropout masks again
 
     def contexts():
         user_forward, user_recompute = context_fn()
-        return _recording(executor, cache, user_forward), _replaying(mode, start, cache, known, user_recompute)
+        return _recording(executor, cache, user_forward), _replaying(mode, start, cache, known, draws, user_recompute)
 
     return _ORIGINAL(function, *args, use_reentrant=False, context_fn=contexts, determinism_check=determinism_check,
                      debug=debug, **kwargs)

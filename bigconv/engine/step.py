@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from .. import losses, saving
 from ..ops.mode import ShardMode
+from ..ops.random import RandomDraws
 from ..ops.shards import ModulePath, mark
 from ..transport import WorkerRuntime, check_wire
 from .buckets import GradBuckets
@@ -27,12 +28,18 @@ from .executor import ShardExecutor
 
 
 class ShardEngine:
-    def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None) -> None:
+    def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None, seed: int = 0,
+                 compile: bool = False) -> None:
         """``rt`` carries this shard's index, device, timeout and links; ``grad_group`` the ranks whose
-        gradients are summed (None: the default group)."""
+        gradients are summed (None: the default group); ``seed`` the model's random draws' (equal on
+        every shard; a data-parallel replica mixes its number in, its images being other images)."""
         self.rt = rt
+        self.random = RandomDraws(seed, stream=getattr(rt, "replica", 0) or 0)
         self.model = model.to(rt.device)
         self.path = ModulePath(self.model)
+        # torch.compile of the whole shard forward: dynamo compiles what it can trace and runs the rest
+        # (the ShardMode's rules, halo exchanges) eagerly; the module, its names and hooks stay the plain one.
+        self.run = torch.compile(self.model) if compile else self.model
         self.opt: torch.optim.Optimizer | None = None
         self.grad_group = grad_group
         self._buckets: GradBuckets | None = None
@@ -52,8 +59,9 @@ class ShardEngine:
         x = mark(x_local.to(self.rt.device), in_shape)
         if grad == "input":
             self.last_input = x.requires_grad_(True)
-        with torch.set_grad_enabled(bool(grad)), ShardMode(ShardExecutor(grid, call, self.rt), self.path):
-            return self.model(x)
+        mode = ShardMode(ShardExecutor(grid, call, self.rt), self.path, random=self.random.next_forward())
+        with torch.set_grad_enabled(bool(grad)), mode:
+            return self.run(x)
 
     def dense_loss(self, loss_fn: nn.Module, out: torch.Tensor, target: torch.Tensor, group=None):
         """This shard's part of a loss computed per shard, scaled by the denominator summed over

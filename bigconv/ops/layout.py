@@ -320,9 +320,8 @@ def _image_size(mode: ShardMode, size: list) -> tuple[int, ...] | None:
     return None
 
 
-_FACTORY_SIZE_ARG = {"zeros": 0, "ones": 0, "empty": 0, "full": 0, "rand": 0, "randn": 0,
+_FACTORY_SIZE_ARG = {"zeros": 0, "ones": 0, "empty": 0, "full": 0,
                      "new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1}
-_RANDOM = {"rand", "randn"}
 
 
 def _factory(mode: ShardMode, func, args, kwargs, replicated: bool = False):
@@ -338,17 +337,9 @@ def _factory(mode: ShardMode, func, args, kwargs, replicated: bool = False):
     shape = _image_size(mode, size)
     if shape is None:
         return func(*args, **kwargs)
-    if name in _RANDOM:
-        raise mode.unsupported(func, "random values drawn per shard cannot match a single process",
-                               "Draw random tensors outside the model and pass them in, or avoid them in forward")
     local = (*size[: len(size) - mode.dims], *mode.executor.local_shape(shape))
     kwargs = {k: v for k, v in kwargs.items() if k != "size"}
     return mark(func(*args[:first], local, *value_args, **kwargs), shape)
-
-
-def _random_like(mode: ShardMode, func, args, kwargs):
-    raise mode.unsupported(func, "random values drawn per shard cannot match a single process",
-                           "Draw random tensors outside the model and pass them in")
 
 
 # -- indexing -----------------------------------------------------------------------------------------
@@ -425,7 +416,6 @@ def _register() -> None:
         _numel: (torch.Tensor.numel, torch.numel),
         _query: tuple(getattr(torch.Tensor, n) for n in QUERIES if hasattr(torch.Tensor, n)),
         _factory: tuple(getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")),
-        _random_like: (torch.rand_like, torch.randn_like, torch.randint_like),
         _getitem: (torch.Tensor.__getitem__,),
         _value: (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
                  torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy),
@@ -434,9 +424,9 @@ def _register() -> None:
         for f in funcs:
             RULES[f] = rule
     aware = [pointwise, _reshape, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand,
-             _expand_as, _size, _numel, _query, _factory, _random_like, _getitem, _value]
+             _expand_as, _size, _numel, _query, _factory, _getitem, _value]
     LAYOUT_AWARE.update(f for f, rule in RULES.items() if rule in aware)
-    for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
+    for f in (torch.zeros, torch.ones, torch.empty, torch.full,  # rand/randn: bigconv.ops.random
               torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full):
         WHOLE_RULES[f] = _factory
     for f in table[_value]:

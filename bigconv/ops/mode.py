@@ -39,6 +39,7 @@ from .shards import (
 )
 from .positions import gather_positions
 from .positions import refuse as refuse_positions
+from .random import ForwardDraws, RandomDraws
 from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
 
 
@@ -53,10 +54,12 @@ def active_mode() -> "ShardMode | None":
 
 class ShardMode(TorchFunctionMode):
     def __init__(self, executor: Executor, path: ModulePath | None = None,
-                 known: set[tuple[int, ...]] | None = None) -> None:
+                 known: set[tuple[int, ...]] | None = None, random: ForwardDraws | None = None) -> None:
         super().__init__()
         self.executor = executor
         self.path = path
+        self.random = random or RandomDraws(0).next_forward()
+        """This forward's random draws, the same on every shard (``bigconv.ops.random``)."""
         self.known: set[tuple[int, ...]] = set(known or ())
         """Global spatial shapes of the sharded tensors this forward has seen: a factory or an
         upsampling asked for one of them builds a sharded tensor."""
@@ -83,6 +86,9 @@ class ShardMode(TorchFunctionMode):
             f"bigconv cannot decompose {op_name(func)} in {self.where()}: {reason}. {fix}"
         )
 
+    # Under torch.compile the rules run eagerly: they exchange halos and tag tensors with Python
+    # attributes, which dynamo cannot trace (it fails inside them rather than breaking the graph).
+    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = tree_flatten((args, kwargs))[0]

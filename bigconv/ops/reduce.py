@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import _int_dims, _neg, _nonneg, pointwise
-from .shards import bind, global_shape, mark, mark_positions, trailing
+from .shards import bind, global_shape, mark_positions, trailing
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -170,27 +170,6 @@ def _flatten(mode: ShardMode, func, args, kwargs):
     return func(mode.executor.gather_all(x, shape), *args[1:], **kwargs)
 
 
-def _dropout(mode: ShardMode, func, args, kwargs):
-    bound = bind(("input", "p", "training", "inplace"), args, kwargs)
-    if bound.get("training", True) and bound.get("p", 0.5) > 0:
-        raise mode.unsupported(
-            func, "random masks drawn per shard cannot match a single process",
-            "Call net.eval() (or set p=0) to train exactly; dropout in training is not decomposable exactly",
-        )
-    x = bound["input"]
-    return mark(x.view_as(x), global_shape(x), mode.layout(x))
-
-
-def _dropout_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
-    """Dropout on an unsharded tensor (a replicated head): each worker would draw its own mask."""
-    bound = bind(("input", "p", "training", "inplace"), args, kwargs)
-    if bound.get("training", True) and bound.get("p", 0.5) > 0:
-        raise mode.unsupported(func, "every worker would draw its own random mask for the replicated head, "
-                               "unlike the single process's one draw", "Call net.eval() (or set p=0) to train exactly")
-    out = func(*args, **kwargs)
-    return mode.after_replicated(out) if replicated else out
-
-
 def _register() -> None:
     table = {
         (lambda m, f, a, k: sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
@@ -201,14 +180,11 @@ def _register() -> None:
                                    "prod", "norm", "any", "all")) + (F.softmax, F.log_softmax, torch.linalg.vector_norm),
         _linear: (F.linear,),
         _flatten: (torch.flatten, torch.Tensor.flatten),
-        _dropout: (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout),
     }
     for rule, funcs in table.items():
         for f in funcs:
             RULES[f] = rule
             LAYOUT_AWARE.add(f)
-    for f in table[_dropout]:
-        WHOLE_RULES[f] = _dropout_whole
 
 
 _register()

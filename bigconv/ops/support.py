@@ -1,7 +1,10 @@
-"""Which ``torch.nn`` layers bigconv decomposes, checked when a model is parallelized.
+"""What bigconv needs to know about a model's layers before its dry run: how many spatial dims it has.
 
-Only built-in ``torch.nn`` layers are judged here; a user's own modules are judged by what their
-``forward`` does, in the dry run. Layers listed as "not yet" fail early with the module path.
+There is no list of supported module types: a module is judged by what its ``forward`` does to
+sharded tensors, in the dry run (``bigconv.engine.dry_run``), which refuses any operation that
+cannot be decomposed exactly, naming the module and the fix. A module that never touches a
+sharded tensor (a parametrization computing a weight, an embedding of labels, attention over
+pooled vectors) runs as it is, on every replica alike.
 """
 
 from __future__ import annotations
@@ -10,45 +13,17 @@ import torch.nn as nn
 
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-POINTWISE = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh,
-    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Threshold,
-    nn.LogSigmoid, nn.PReLU, nn.Identity,
-    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout,
-)
-POOLING = (
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
-)
-NORMS = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-    nn.GroupNorm, nn.LayerNorm,
-)
-RESAMPLING = (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d, nn.PixelShuffle, nn.PixelUnshuffle)
-PADDING = tuple(getattr(nn, f"{kind}Pad{d}d") for kind in ("Zero", "Constant", "Reflection", "Replication", "Circular")
-                for d in (1, 2, 3) if hasattr(nn, f"{kind}Pad{d}d"))
-# Exact only after a global reduction, or on maps small enough to be held whole (the dry run checks).
-HEAD = (nn.Flatten, nn.Unflatten, nn.Linear, nn.Bilinear, nn.Softmax, nn.LogSoftmax)
-CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-SUPPORTED = CONV + CONV_TRANSPOSE + POINTWISE + POOLING + NORMS + RESAMPLING + PADDING + HEAD + CONTAINERS
 
 
-def check_modules(model: nn.Module) -> None:
-    """Raise a ValueError naming the first built-in layer bigconv cannot decompose.
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The module under ``torch.compile(model)`` and whether it was compiled: the dry run and the
+    shards' rules run the original module's forward (each shard compiles its own, see
+    ``bigconv.engine.step``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
 
-    Only ``torch.nn``'s own layers are judged here; anything else (a user's or a library's
-    module) is judged by the operations its ``forward`` runs, in the dry run.
-    """
-    for name, module in model.named_modules():
-        kind = type(module)
-        if not kind.__module__.startswith("torch.nn.") or isinstance(module, SUPPORTED):
-            continue
-        raise ValueError(
-            f"layer '{name or '<root>'}' ({kind.__name__}) is not supported by bigconv; supported are "
-            "convolutions (any padding mode), transposed convolutions, pooling, normalization, upsampling, "
-            "padding and pointwise layers, and a head after global pooling (AdaptiveAvgPoolNd(1), Flatten, Linear)"
-        )
+    if isinstance(model, OptimizedModule):
+        return model._orig_mod, True
+    return model, False
 
 
 def conv_dims(model: nn.Module) -> int | None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, positions, reduce, subpixel, window
+from . import layout, norm, positions, random, reduce, subpixel, window
 
-MODULES = (layout, reduce, window, norm, subpixel, positions)
+MODULES = (layout, reduce, window, norm, subpixel, positions, random)
 
 
 def _merge(name: str) -> Mapping:

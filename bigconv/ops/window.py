@@ -300,7 +300,10 @@ def _pad(mode: ShardMode, func, args, kwargs):
             return mode.windowed_whole(x, shape, out_shape, whole)
         out = mode.executor.region_op(x, shape, windows, lambda region, plan: region, mode.where(),
                                       fill=value)
-        return mark(out, out_shape)
+        # A shard whose part needs no padding gets its input back: mark a view, never the input
+        # itself, which other code still holds with its own global shape (smp's EfficientNet returns
+        # its input as the first feature after padding it).
+        return mark(out.view_as(out) if out is x else out, out_shape)
     if any(lo < 0 or hi < 0 for lo, hi in spatial):
         raise mode.unsupported(func, f"negative padding in mode {kind!r}", "Crop with mode='constant' first.")
     if kind == "reflect" and any(max(lo, hi) >= n for (lo, hi), n in zip(spatial, shape)):

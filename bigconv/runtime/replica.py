@@ -11,10 +11,12 @@ that is replicated too, so every replica stays bit-for-bit equal.
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import torch
 import torch.distributed.autograd as dist_autograd
+from torch.nn.utils import parametrize
 
 from .. import losses, transport
 from ..saving import rng_state, set_rng_state
@@ -32,9 +34,41 @@ except ImportError:  # classes must then be importable on the workers
     cloudpickle = None
 
 
+def _rebuild_parametrized(cls: type, state: dict) -> torch.nn.Module:
+    """A parametrized module (``torch.nn.utils.parametrizations.weight_norm``...) from its plain
+    class and attributes: the class and properties ``register_parametrization`` injects, again."""
+    module = cls.__new__(cls)
+    module.__dict__.update(state)
+    parametrize._inject_new_class(module)
+    for name in state["_modules"]["parametrizations"]:
+        parametrize._inject_property(module, name)
+    return module
+
+
+def _reduce_parametrized(obj):
+    """torch refuses to pickle a parametrized module (its class is made at run time): ship it as the
+    user's class and its attributes, parametrizations and their original tensors included."""
+    if isinstance(obj, torch.nn.Module) and parametrize.is_parametrized(obj):
+        return _rebuild_parametrized, (type(obj).__bases__[0], obj.__dict__.copy())
+    return NotImplemented
+
+
+if cloudpickle is not None:
+    class _Pickler(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            reduced = _reduce_parametrized(obj)
+            return super().reducer_override(obj) if reduced is NotImplemented else reduced
+else:
+    class _Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            return _reduce_parametrized(obj)
+
+
 def to_payload(model: torch.nn.Module) -> bytes:
     # cloudpickle ships classes defined in a user's __main__ script, which workers cannot import.
-    return (cloudpickle or pickle).dumps(model)
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(model)
+    return buffer.getvalue()
 
 
 def _located(exc: Exception, where: str) -> Exception:
@@ -63,7 +97,7 @@ do) or ``rpc`` (halos pushed over RPC, backward by distributed autograd from the
 class Replica:
     """This worker's copy of one model and its shard's engine, on the transport the driver chose."""
 
-    def __init__(self, model: torch.nn.Module, transport_name: str) -> None:
+    def __init__(self, model: torch.nn.Module, transport_name: str, seed: int = 0, compile: bool = False) -> None:
         proc = transport.runtime()
         if transport_name == "p2p":
             rt = WorkerRuntime(index=proc.index, workers=proc.workers, device=proc.device, timeout=proc.timeout,
@@ -74,14 +108,14 @@ class Replica:
             rt = proc  # its mailbox takes the RPC pushes
         self.transport = transport_name
         self.rt = rt
-        self.engine = ShardEngine(model, rt, grad_group=proc.grad_group)
+        self.engine = ShardEngine(model, rt, grad_group=proc.grad_group, seed=seed, compile=compile)
         self.model = self.engine.model
         self.kept: torch.Tensor | None = None
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
 
     @classmethod
-    def from_payload(cls, payload: bytes, transport_name: str) -> "Replica":
-        return cls(pickle.loads(payload), transport_name)
+    def from_payload(cls, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "Replica":
+        return cls(pickle.loads(payload), transport_name, seed, compile)
 
     def _forward(self, call: int, grid, shape, x, grad) -> torch.Tensor:
         if self.transport == "rpc":

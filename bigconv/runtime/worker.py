@@ -91,10 +91,10 @@ def release() -> None:
 
 
 # -- RPC entry points ------------------------------------------------------------------------------
-def install(model_id: int, payload: bytes, transport_name: str = "p2p") -> None:
+def install(model_id: int, payload: bytes, transport_name: str = "p2p", seed: int = 0, compile: bool = False) -> None:
     from .replica import Replica
 
-    transport.runtime().models[model_id] = Replica.from_payload(payload, transport_name)
+    transport.runtime().models[model_id] = Replica.from_payload(payload, transport_name, seed, compile)
 
 
 def uninstall(model_ids: list[int]) -> None:

@@ -30,7 +30,8 @@ from ..geometry.boxes import balanced_bounds, coord_of, shard_box, validate_grid
 from ..planning import Plan, Planner
 from ..saving import rng_state, set_rng_state
 from ..engine.step import ShardEngine
-from ..ops.support import check_modules
+from ..ops.random import random_seed
+from ..ops.support import unwrap_compiled
 from ..transport import WorkerRuntime, new_stats
 from ..transport.p2p import P2PLink
 from ..runtime.spmd_world import SpmdWorld
@@ -56,12 +57,13 @@ def check_layout(world: SpmdWorld, grid, replicas) -> tuple[tuple[int, ...] | No
 class SpmdModel:
     """A model trained by every rank of an SPMD world, each on its own shard (see the module doc)."""
 
-    def __init__(self, model: nn.Module, world: SpmdWorld, grid, replicas: int = 1, check_finite: bool = False) -> None:
+    def __init__(self, model: nn.Module, world: SpmdWorld, grid, replicas: int = 1, check_finite: bool = False,
+                 seed: int | None = None, compile: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"parallelize expects a torch.nn.Module, got {type(model).__name__}")
+        model, compiled = unwrap_compiled(model)
         world.check_usable()
         grid, spatial = check_layout(world, grid, replicas)
-        check_modules(model)
         self.planner = Planner(model, grid, spatial, check_finite)
         self.world, self.replicas, self.grid = world, replicas, grid
         self.training = model.training
@@ -79,7 +81,10 @@ class SpmdModel:
             rt.replica, rt.replicas = self.mesh.replica, replicas
             rt.replica_link = P2PLink(self.mesh.replica_group, self.mesh.replica_ranks, self.mesh.replica,
                                       world.timeout, self.stats, **wire)
-        self.engine = ShardEngine(model, rt, grad_group=world.grad_group)
+        seed_t = torch.tensor([random_seed(seed)], dtype=torch.int64)
+        dist.broadcast(seed_t, src=0)  # every rank draws with rank 0's seed
+        self.engine = ShardEngine(model, rt, grad_group=world.grad_group, seed=int(seed_t.item()),
+                                  compile=bool(compile) or compiled)
         self.model = self.engine.model
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:
