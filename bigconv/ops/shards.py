@@ -119,6 +119,7 @@ class ModulePath:
         model.register_forward_hook(self._check_output)
 
     @staticmethod
+    @torch.compiler.disable  # reads tensors' __dict__, which dynamo cannot trace (as ShardMode's handler)
     def _check_output(module, inputs, out) -> None:
         if any(positions(t) is not None for t in tree_flatten(out)[0]):
             raise UnsupportedOperation(
