@@ -80,6 +80,8 @@ class RowFlatten(nn.Module):
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxUnpool2d(2)), (2, 2), (1, 1, 8, 8), r"module '1' \(MaxUnpool2d\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), RandPerm()), (2, 2), (1, 1, 8, 8),
      r"randperm in module '1' \(RandPerm\): each worker would draw its own values"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.RReLU()), (2, 2), (1, 1, 8, 8),
+     r"rrelu in module '1' \(RReLU\): in training mode it draws a slope per element.*nn.LeakyReLU"),
 ])
 def test_first_call_rejects_before_remote_work(world, rpc_calls, model, grid, shape, match):
     net = bigconv.parallelize(model(), world, grid=grid)

@@ -133,6 +133,18 @@ def test_unsupported_draws_are_refused(world):
         net.plan(torch.zeros(1, 1, 8, 8, dtype=torch.float64))
 
 
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_rrelu_in_eval_mode_is_exact(world):
+    """Its training mode is refused (tests/test_errors.py); in eval mode it is pointwise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.RReLU(0.1, 0.3), nn.Conv2d(3, 2, 3, padding=1)).double()
+    x = torch.randn(2, 1, 10, 10, dtype=torch.float64)
+    r = compare_training(model.eval(), world, x, torch.randn(2, 2, 10, 10, dtype=torch.float64), nn.MSELoss(),
+                         grid=(2, 2))
+    assert r["exact"], r["worst"]
+
+
 def parametrized_net(old_style: bool) -> nn.Module:
     from torch.nn.utils import parametrizations
 

@@ -92,7 +92,7 @@ def _replace(tree, local: dict, ids: set):
 
 POINTWISE_TORCH = """add sub subtract mul multiply div divide true_divide neg negative abs exp expm1 log log1p sqrt
 rsqrt pow square reciprocal sigmoid tanh relu relu_ clamp clamp_ clip maximum minimum where sin cos erf floor ceil
-round sign lerp addcmul addcdiv hardtanh rrelu selu celu threshold logit nan_to_num eq ne lt le gt ge
+round sign lerp addcmul addcdiv hardtanh selu celu threshold logit nan_to_num eq ne lt le gt ge
 logical_and logical_or logical_not isnan isfinite sigmoid_ tanh_ exp_ fmod remainder zeros_like ones_like empty_like
 full_like as_tensor clamp_min clamp_max""".split()
 POINTWISE_TENSOR = POINTWISE_TORCH + """__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__
@@ -102,7 +102,7 @@ clone to float double half bfloat16 type type_as detach detach_ requires_grad_ c
 masked_fill_ fill_ zero_ copy_ sigmoid_ clamp_min_ clamp_max_ clamp_min clamp_max exp_ mul add div sub""".split()
 POINTWISE_F = """relu relu_ relu6 leaky_relu leaky_relu_ elu elu_ selu selu_ celu celu_ gelu silu mish hardtanh
 hardtanh_ hardswish hardsigmoid sigmoid tanh softplus softsign tanhshrink threshold threshold_ logsigmoid prelu
-rrelu glu""".split()
+glu""".split()  # rrelu: bigconv.ops.random (it draws in training mode)
 
 
 # -- joins and splits ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..geometry.boxes import shard_box
+from .layout import pointwise
 from .shards import bind, global_shape, global_size, mark, trailing
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
@@ -336,6 +337,22 @@ def _refused(mode: ShardMode, func, args, kwargs, replicated: bool = False):
                            "every shard), or draw outside the model and pass the values in")
 
 
+RRELUS = tuple(f for f in (F.rrelu, getattr(F, "rrelu_", None), torch.rrelu, getattr(torch, "rrelu_", None)) if f)
+
+
+def _rrelu_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+    """RReLU: in eval mode a fixed slope (pointwise); in training mode a slope drawn per element with
+    torch's generator, which each worker would draw for itself."""
+    b = bind(("input", "lower", "upper", "training"), args, kwargs)
+    if b.get("training", False):
+        raise mode.unsupported(func, "in training mode it draws a slope per element, which each worker would draw "
+                               "for itself", "Use nn.LeakyReLU, or RReLU in eval mode (its mean slope)")
+    if global_shape(b["input"]) is not None:
+        return pointwise(mode, func, args, kwargs)
+    out = func(*args, **kwargs)
+    return mode.after_replicated(out) if replicated else out
+
+
 def _register() -> None:
     for f in DROPOUTS:
         RULES[f] = WHOLE_RULES[f] = _dropout_rule
@@ -345,6 +362,8 @@ def _register() -> None:
         WHOLE_RULES[f] = _factory_rule
     for f in REFUSED:
         RULES[f] = WHOLE_RULES[f] = _refused
+    for f in RRELUS:
+        RULES[f] = WHOLE_RULES[f] = _rrelu_rule
     LAYOUT_AWARE.update(RULES)
 
 
