@@ -16,7 +16,6 @@ the guards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -25,16 +24,17 @@ import torch.nn as nn
 
 import bigconv
 from bigconv.models import CNN2D
+from bigconv.harness import cli
 from bigconv.harness.workload import environment
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--out", default="results/bench_compile.jsonl")
+    ap = cli.parser("experiments.bench_compile", __doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=128, help="image side in pixels (CNN2D, batch 1, float32)")
+    ap.add_argument("--steps", type=int, default=5, help="timed training steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over the three variants; the best step is kept")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes of the World")
+    ap.add_argument("--out", default="results/bench_compile.jsonl", help="JSON-lines file the records are appended to")
     args = ap.parse_args()
     torch.manual_seed(0)
     x = torch.randn(1, 1, args.size, args.size)

@@ -11,11 +11,12 @@ import argparse
 import importlib
 import inspect
 import sys
+from pathlib import Path
 
 import pytest
 
 CLIS = [
-    "bigconv.check", "experiments.alternatives", "experiments.bench_core", "experiments.bench_slides",
+    "bigconv.check", "experiments.alternatives", "experiments.bench_compile", "experiments.bench_core", "experiments.bench_slides",
     "experiments.checkpoint_cost", "experiments.cluster.run", "experiments.context", "experiments.demo",
     "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
     "experiments.grad_group_cost", "experiments.host_bound",
@@ -45,6 +46,21 @@ def captured_parser(module_name: str, monkeypatch) -> argparse.ArgumentParser:
     except _Captured as got:
         return got.parser
     raise AssertionError(f"{module_name}.main() never parsed its arguments")
+
+
+INTERNAL = {"bigconv.harness.runner", "bigconv.runtime.worker", "experiments.cluster.env"}
+"""Modules run with ``python -m`` by bigconv itself (a fresh measuring process, a worker, a launch shim)."""
+
+
+def test_every_module_with_a_main_guard_is_listed():
+    root = Path(__file__).resolve().parent.parent
+    found = set()
+    for package in ("bigconv", "experiments", "multidsn", "plots"):
+        for path in (root / package).rglob("*.py"):
+            if '__name__ == "__main__"' in path.read_text():
+                name = ".".join(path.relative_to(root).with_suffix("").parts)
+                found.add(name.removesuffix(".__main__"))
+    assert found - INTERNAL - set(CLIS) == set(), "add these CLIs to CLIS (their --help is then checked)"
 
 
 @pytest.mark.parametrize("module_name", CLIS)
