@@ -103,6 +103,22 @@ def rpc_calls(monkeypatch) -> list:
     return calls
 
 
+@pytest.fixture
+def refused_before_remote_work(world, monkeypatch):
+    """``check(model, words)``: the first call of ``model`` parallelized on a (2, 2) grid raises a
+    ValueError naming each of ``words``, and no remote work starts."""
+
+    def check(model: torch.nn.Module, words, shape=(2, 1, 16, 16)) -> None:
+        net = bigconv.parallelize(model.double(), world, grid=(2, 2))
+        monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))
+        with pytest.raises(ValueError) as info:
+            net(torch.randn(shape, dtype=torch.float64))
+        for word in words:
+            assert word in str(info.value), info.value
+
+    return check
+
+
 @pytest.fixture(params=["p2p", "rpc"])
 def transport(request) -> str:
     """The driver mode's two transports: a test that takes this runs on both."""

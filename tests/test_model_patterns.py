@@ -265,13 +265,8 @@ class ArgmaxOverPositions(nn.Module):
     (IntegerNoiseOfImageSize, ["randint", "'<root>'", "each worker would draw its own values"]),
     (ArgmaxOverPositions, ["argmax", "'<root>'"]),
 ])
-def test_non_decomposable_refused_before_remote_work(world, model, words, monkeypatch):
-    net = bigconv.parallelize(model().double(), world, grid=(2, 2))
-    monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))
-    with pytest.raises(ValueError) as info:
-        net(torch.randn(2, 1, 16, 16, dtype=torch.float64))
-    for word in words:
-        assert word in str(info.value), info.value
+def test_non_decomposable_refused_before_remote_work(refused_before_remote_work, model, words):
+    refused_before_remote_work(model(), words)
 
 
 class FailsOnWorkers(nn.Module):
