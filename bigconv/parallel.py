@@ -78,7 +78,8 @@ class ParallelModel:
         self.seed = random_seed(seed)
         payload = to_payload(model)
         world.drop_retired_models()  # before this one takes their memory
-        world.call(worker.install, [(self.id, payload, transport, self.seed, self.compile)] * world.workers, "installing the model")
+        install = (self.id, payload, transport, self.seed, self.compile)
+        world.call(worker.install, [install] * world.workers, "installing the model")
         weakref.finalize(self, world.retire_model, self.id)
 
     def plan(self, x) -> Plan:

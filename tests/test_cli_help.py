@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 CLIS = [
-    "bigconv.check", "experiments.alternatives", "experiments.bench_compile", "experiments.bench_core", "experiments.bench_slides",
+    "bigconv.check", "experiments.alternatives", "experiments.bench_compile", "experiments.bench_core",
+    "experiments.bench_slides",
     "experiments.checkpoint_cost", "experiments.cluster.run", "experiments.context", "experiments.demo",
     "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
     "experiments.grad_group_cost", "experiments.host_bound",
