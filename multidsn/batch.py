@@ -29,6 +29,11 @@ class Batch:
     def labels(self) -> torch.Tensor:
         return self.source[1]
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The same batch on ``device`` (a copy where it moves)."""
+        return Batch(source=(self.source[0].to(device), self.source[1].to(device)),
+                     targets=[x.to(device) for x in self.targets])
+
     def check(self, cfg: DSNConfig) -> None:
         """Raise ValueError naming the first problem: target count, image shape or dtype, labels."""
         if not (isinstance(self.source, (tuple, list)) and len(self.source) == 2):

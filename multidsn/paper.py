@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -53,12 +54,23 @@ class RunOptions:
     """The command line, recorded with every line."""
     quiet: bool = False
     """No progress bars."""
+    device: str = "cpu"
+    """Where a single-process model trains ('cuda': a GPU); the records say which."""
 
 
 def recipe_record(recipe: PaperRecipe, extra_targets: list[str]) -> dict:
     """What a line must share with the current run to count as done."""
     return {**{k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(recipe).items()},
             "extra_targets": list(extra_targets)}
+
+
+ADDED_FIELDS = {"grl_schedule": "constant"}
+"""Recipe fields added after records were written, with the value those records ran with."""
+
+
+def same_recipe(recorded: dict | None, recipe: dict) -> bool:
+    """Whether a line's recipe is ``recipe`` (a line older than a field ran with its ``ADDED_FIELDS`` value)."""
+    return recorded is not None and {**ADDED_FIELDS, **recorded} == recipe
 
 
 def done(path: str, recipe: dict) -> set[tuple[str, str, int]]:
@@ -68,7 +80,7 @@ def done(path: str, recipe: dict) -> set[tuple[str, str, int]]:
     out = set()
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
-        if r.get("recipe") == recipe and "method" in r:
+        if same_recipe(r.get("recipe"), recipe) and "method" in r:
             out.add((r["method"], r["target"], r["seed"]))
     return out
 
@@ -78,7 +90,7 @@ def train(recipe: PaperRecipe, method: str, seed: int, source: Domain, targets: 
     """Train one model; returns (the trainer, still open; {"train_s", "history", "domain_acc"})."""
     cfg = method_config(recipe, method, len(targets), image_size=source.train_x.shape[-1])
     torch.manual_seed(seed)
-    model = make_trainer(DSN(cfg), world, opts.placement, opts.decoder, opts.head)
+    model = make_trainer(DSN(cfg), world, opts.placement, opts.decoder, opts.head, opts.device)
     model.optimizer(torch.optim.SGD, lr=recipe.lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
     if method == "target_only":  # the target's own labelled images in the source's place
         (target,) = targets
@@ -127,6 +139,19 @@ def evaluate(model, method: str, source: Domain, targets: list[Domain], opts: Ru
     return rows
 
 
+def append_lines(path: str, lines: list[dict]) -> None:
+    """Append JSON lines in one write to a file opened for appending, so that several processes training
+    at once (``--jobs``) never interleave their lines."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(line, default=str) + "\n" for line in lines).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
 def run(recipe: PaperRecipe, methods: list[str], seeds: list[int], source: Domain, targets: list[Domain],
         opts: RunOptions, world=None) -> list[dict]:
     """Train and record every (method, seed) not yet in ``opts.out``; returns the lines written."""
@@ -148,12 +173,11 @@ def run(recipe: PaperRecipe, methods: list[str], seeds: list[int], source: Domai
                 lines = [{"record": "run", "method": method, "seed": seed, **row, "steps": recipe.steps,
                           "warmup": recipe.warmup, "train_s": round(result["train_s"], 1),
                           "step_s": round(result["train_s"] / recipe.steps, 5), "domain_acc": result["domain_acc"],
-                          "placement": opts.placement, "recipe": key, "config": dataclasses.asdict(result["config"]),
+                          "placement": opts.placement, "device": opts.device, "recipe": key,
+                          "config": dataclasses.asdict(result["config"]),
                           "history": result["history"], "command": opts.command, "time": time.strftime(
                               "%Y-%m-%dT%H:%M:%S"), **env} for row in rows]
-                Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-                with open(opts.out, "a") as f:
-                    f.writelines(json.dumps(line, default=str) + "\n" for line in lines)
+                append_lines(opts.out, lines)
                 written += lines
                 for line in lines:
                     log.info("%s seed %d: %s %.1f%% (%.0f s)", method, seed, line["target"],

@@ -14,7 +14,8 @@ import torch
 from bigconv import progress
 
 from .mnist import paper_domains
-from .paper import RunOptions, done, recipe_record, run
+from .paper import RunOptions, done, recipe_record, run, same_recipe
+from .paper_jobs import run_jobs
 from .placement import workers_needed
 from .recipes import METHODS, PaperRecipe
 
@@ -25,7 +26,7 @@ def recipe_from(args: argparse.Namespace) -> PaperRecipe:
     return PaperRecipe(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, lr=args.lr,
                        momentum=args.momentum, weight_decay=args.weight_decay, lr_decay=args.lr_decay,
                        lr_decay_steps=args.lr_decay_steps, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
-                       gamma_mmd=args.gamma_mmd)
+                       gamma_mmd=args.gamma_mmd, grl_schedule=args.grl_schedule)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
@@ -34,13 +35,20 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     recipe = recipe_from(args)
     seeds = args.seeds or [0, 1, 2]
     key = recipe_record(recipe, args.extra_targets)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {args.jobs}")
+    if args.jobs > 1 and args.placement != "single":
+        raise SystemExit(f"--jobs {args.jobs} trains each model in a process of its own: use --placement single, "
+                         f"or --jobs 1 with --placement {args.placement}")
     if not args.report:
         source, targets = paper_domains(args.extra_targets)
         log.info("data: %s %d train / %d test; %s", source.name, len(source.train_x), len(source.test_x),
                  ", ".join(f"{t.name} {len(t.train_x)} train / {len(t.test_x)} test" for t in targets))
         opts = RunOptions(placement=args.placement, decoder=args.decoder, head=args.head, log_every=args.log_every,
                           collapse_ratio=args.collapse_ratio, out=args.out, quiet=args.quiet,
-                          command="python -m multidsn.train " + " ".join(argv))
+                          command="python -m multidsn.train " + " ".join(argv), device=args.device)
+        if args.jobs > 1:
+            run_jobs(recipe, args.methods, seeds, args.extra_targets, opts, args.jobs, args.threads)
         world = None
         if args.placement != "single":
             import bigconv
@@ -64,7 +72,7 @@ def records(path: str, key: dict) -> list[dict]:
     """The lines of ``path`` written with this recipe."""
     if not Path(path).exists():
         return []
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("recipe") == key]
+    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if same_recipe(r.get("recipe"), key)]
 
 
 def _stat(values: list[float | None]) -> str:

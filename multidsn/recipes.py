@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import DSNConfig
+from .config import GRL_SCHEDULES, DSNConfig
 
 METHODS = ("source_only", "dann", "dsn_mmd", "dsn_dann", "target_only")
 """The rows: source-only (the task loss alone), DANN alone (alpha = beta = 0), DSN with MMD, DSN with DANN,
@@ -46,8 +46,14 @@ class PaperRecipe:
     """Reconstruction weight of the DSN rows (paper: 0.01 to 0.15)."""
     beta: float = 0.075
     """Difference weight of the DSN rows (paper: 0.05 to 0.075)."""
-    gamma: float = 0.25
-    """DANN similarity weight (paper: 0.25 to 0.3), with a constant gradient reversal factor of 1 as in TF."""
+    gamma: float = 1.0
+    """DANN similarity weight (paper: 0.25 to 0.3 with a constant reversal factor). With the ramp
+    (``grl_schedule``), 1.0 measured best of 0.25/0.5/1.0/2.0 (2.0 diverged on one seed); see
+    docs/multidsn.md and results/multidsn_paper_tried.jsonl."""
+    grl_schedule: str = "dann"
+    """DANN's gradient reversal factor after the warm-up: 'dann', Ganin & Lempitsky's ramp
+    2 / (1 + exp(-10 p)) - 1 over the steps after the warm-up (as their DANN and the PyTorch DSN ports), or
+    'constant' (1, as the TF original). With the constant factor DSN-DANN did not beat DANN alone here."""
     gamma_mmd: float = 1.0
     """MMD similarity weight of the dsn_mmd row (MMD with median bandwidths is of order 1 when unaligned)."""
     code_size: int = 100
@@ -67,6 +73,8 @@ class PaperRecipe:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.grl_schedule not in GRL_SCHEDULES:
+            raise ValueError(f"grl_schedule must be one of {GRL_SCHEDULES}, got {self.grl_schedule!r}")
         if not (isinstance(self.warmup, int) and 0 <= self.warmup < self.steps):
             raise ValueError(f"warmup must be an integer in [0, steps={self.steps}), got {self.warmup!r}: the "
                              f"adaptation losses must switch on before the run ends")
@@ -85,7 +93,8 @@ def method_config(recipe: PaperRecipe, method: str, num_targets: int = 1, image_
                 private_widths=recipe.private_widths, decoder_widths=recipe.decoder_widths,
                 classifier_hidden=recipe.classifier_hidden, architecture="dann_mnist", private_batch_norm=True,
                 warmup_steps=recipe.warmup, alpha=recipe.alpha, beta=recipe.beta, gamma=recipe.gamma,
-                similarity="dann", grl_schedule="constant", grl_scale=1.0)
+                similarity="dann", grl_schedule=recipe.grl_schedule, grl_scale=1.0,
+                grl_ramp_steps=max(1, recipe.steps - recipe.warmup))
     if method in ("source_only", "target_only"):
         base.update(warmup_steps=recipe.steps)
     elif method == "dann":

@@ -47,6 +47,7 @@ RECIPE_DEFAULTS = {
     "lr": (PAPER.lr, None), "momentum": (PAPER.momentum, 0.9), "alpha": (PAPER.alpha, 0.1),
     "beta": (PAPER.beta, 0.05), "gamma": (PAPER.gamma, 1.0), "placement": ("single", "domain"),
     "out": ("results/multidsn_paper.jsonl", "results/multidsn_train.jsonl"), "log_every": (500, 100),
+    "grl_schedule": (PAPER.grl_schedule, "constant"),
 }
 
 
@@ -100,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="intra-op threads of this process: with --placement single the model's; otherwise the "
                         "driver only adds scalars. OpenMP spinning made a 28 px step 100x slower on a loaded "
                         "2-core host with the default of one thread per core (default: 1)")
+    p.add_argument("--grl-schedule", choices=["constant", "dann"], default=None,
+                   help="DANN's reversal factor: constant, or Ganin & Lempitsky's ramp 2 / (1 + exp(-10 p)) - 1 "
+                        "over the steps after the warm-up " + _both("grl_schedule"))
+    p.add_argument("--device", default="cpu",
+                   help="where a --placement single model trains: 'cpu', or 'cuda' / 'cuda:N' for a GPU "
+                        "(default: cpu)")
     paper = p.add_argument_group("paper recipe")
     paper.add_argument("--methods", type=_method_list, default=list(METHODS),
                        help=f"rows to train, comma-separated (default: {','.join(METHODS)})")
@@ -114,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"staircase learning-rate decay factor (default: {PAPER.lr_decay})")
     paper.add_argument("--lr-decay-steps", type=int, default=PAPER.lr_decay_steps,
                        help=f"steps between two learning-rate decays (default: {PAPER.lr_decay_steps})")
+    paper.add_argument("--jobs", type=int, default=1,
+                       help="models trained at once, each in a process of its own with --threads threads; the "
+                            "(method, seed) runs go longest first, and each line is appended whole, so the "
+                            "results file is the one a single process writes (default: 1)")
     paper.add_argument("--report", action="store_true",
                        help="train nothing: print the table of what --out holds for this recipe (default: off)")
     demo = p.add_argument_group("demo recipe")
@@ -128,9 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--width", type=int, default=16,
                       help="channels of the first shared block; the other widths follow from it (default: 16)")
     demo.add_argument("--code-size", type=int, default=32, help="length of the shared and private codes (default: 32)")
-    demo.add_argument("--grl-schedule", choices=["constant", "dann"], default="constant",
-                      help="DANN's reversal factor: constant, or Ganin & Lempitsky's ramp 2 / (1 + exp(-10 p)) - 1 "
-                           "over the steps after the warm-up (default: constant)")
     demo.add_argument("--normalize", choices=["image", "none"], default="image",
                       help="'image': every image of every domain to zero mean and unit variance (default: image)")
     demo.add_argument("--shifts", type=lambda s: s.split(","), default=None,
@@ -209,7 +217,7 @@ def train_one(name: str, cfg: DSNConfig, args, world, source: Domain, targets: l
     """Train one model; ``saved``: the checkpoint's ``extra`` when this very run is being resumed;
     ``keep``: what every checkpoint of this run must also remember (finished runs)."""
     torch.manual_seed(args.seed)
-    model = make_trainer(DSN(cfg), world, args.placement, args.decoder, args.head)
+    model = make_trainer(DSN(cfg), world, args.placement, args.decoder, args.head, args.device)
     try:
         if args.optimizer == "sgd":
             model.optimizer(torch.optim.SGD, lr=args.lr or 0.01, momentum=args.momentum)

@@ -13,10 +13,15 @@ from .parallel import DistributedDSN, parallelize
 
 
 class LocalDSN:
-    """A DSN and its optimizer in this process, counting steps from 0 like ``DistributedDSN``."""
+    """A DSN and its optimizer in this process, counting steps from 0 like ``DistributedDSN``.
 
-    def __init__(self, dsn: DSN) -> None:
-        self.dsn, self.cfg, self.steps = dsn, dsn.cfg, 0
+    ``device``: where the model lives (``"cuda"`` trains a single-process DSN on a GPU). Batches and the
+    images given to ``predict``/``codes`` may be on the host: they are moved there, and the answers come
+    back on the host."""
+
+    def __init__(self, dsn: DSN, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.dsn, self.cfg, self.steps = dsn.to(self.device), dsn.cfg, 0
         self.opt: torch.optim.Optimizer | None = None
 
     def optimizer(self, cls: type, **kwargs) -> None:
@@ -26,7 +31,7 @@ class LocalDSN:
         if self.opt is None:
             raise ValueError("call optimizer(torch.optim.SGD, lr=...) before train_step")
         self.opt.zero_grad(set_to_none=True)
-        terms = self.dsn.loss_terms(batch, self.steps)
+        terms = self.dsn.loss_terms(batch.to(self.device), self.steps)
         terms.total.backward()
         self.opt.step()
         self.steps += 1
@@ -40,11 +45,12 @@ class LocalDSN:
     @torch.no_grad()
     def predict(self, x: torch.Tensor, domain: int = 0, batch_size: int = 256) -> torch.Tensor:
         dtype = next(self.dsn.parameters()).dtype
-        return torch.cat([self.dsn(c.to(dtype)) for c in torch.split(x, batch_size)])
+        return torch.cat([self.dsn(c.to(self.device, dtype)).cpu() for c in torch.split(x, batch_size)])
 
     @torch.no_grad()
     def codes(self, x: torch.Tensor, domain: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dsn.codes(x.to(next(self.dsn.parameters()).dtype), domain)
+        h_c, h_p = self.dsn.codes(x.to(self.device, next(self.dsn.parameters()).dtype), domain)
+        return h_c.cpu(), h_p.cpu()
 
     def state_dict(self) -> dict:
         return self.dsn.state_dict()
@@ -75,10 +81,14 @@ class LocalDSN:
 
 
 def make_trainer(dsn: DSN, world=None, placement: str = "single", decoder: str = "domain",
-                 head: str = "separate") -> LocalDSN | DistributedDSN:
-    """``placement="single"``: in this process; otherwise ``multidsn.parallelize`` on ``world``."""
+                 head: str = "separate", device: str = "cpu") -> LocalDSN | DistributedDSN:
+    """``placement="single"``: in this process, on ``device``; otherwise ``multidsn.parallelize`` on ``world``
+    (whose workers hold the model: ``device`` must be ``"cpu"`` there)."""
     if placement == "single":
-        return LocalDSN(dsn)
+        return LocalDSN(dsn, device)
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"device={device!r} is for placement='single'; a distributed placement's workers hold "
+                         f"the model")
     if world is None:
         raise ValueError(f"placement={placement!r} needs a bigconv.World")
     return parallelize(dsn, world, placement=placement, decoder=decoder, head=head)
