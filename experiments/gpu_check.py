@@ -29,6 +29,7 @@ timeout, never the run. Each record is written as soon as it is measured.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -107,6 +108,8 @@ def check_plan(cases: list[Case]) -> list[str]:
             problems.append(f"{c.name}: grid {p['grid']} does not use its {c.gpus} workers")
         if c.kind in ("overlap", "driver_bench") and math.prod(p["grid"]) != c.gpus:
             problems.append(f"{c.name}: grid {p['grid']} does not use its {c.gpus} GPUs")
+        if c.kind in ("largest", "overlap", "driver_bench"):
+            problems += _bench_model_problem(c)
         if c.kind in ("driver", "spmd"):
             factory, shape, _ = models[p["model"]]
             if len(shape) - 2 != len(p["grid"]) or any(n < g for n, g in zip(shape[2:], p["grid"])):
@@ -118,9 +121,38 @@ def check_plan(cases: list[Case]) -> list[str]:
     return problems
 
 
-def dry(gpus_list: list[int], bench: bool) -> int:
+def _bench_model_problem(case: Case) -> list[str]:
+    """A benchmark model that cannot be built here (a missing package) is named before anything runs:
+    otherwise every probe fails alike and the largest-edge search reads the failures as out-of-memory."""
+    from bigconv.harness.registry import spec
+
+    try:
+        with torch.device("meta"):
+            spec(case.params["model"]).build(1, 2, 4, 3)
+    except ImportError as exc:
+        return [f"{case.name}: its model needs a package this Python lacks ({exc}); install it (pip install "
+                f"'bigconv[monai]' for unet) or leave the case out with --cases"]
+    return []
+
+
+def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:
+    """The cases whose names match one of the shell-style ``patterns`` (all of them without patterns)."""
+    if not patterns:
+        return cases
+    chosen = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+    if not chosen:
+        raise SystemExit(f"--cases {' '.join(patterns)} matches no case; --dry lists them")
+    return chosen
+
+
+def is_out_of_memory(error: str) -> bool:
+    """Whether a probe's error is the allocator running out (the search's signal), not a broken run."""
+    return "out of memory" in error.lower() or "OutOfMemoryError" in error
+
+
+def dry(gpus_list: list[int], bench: bool, patterns: list[str] | None = None) -> int:
     """Print, for each GPU count, what would run and what would be skipped; check the plan."""
-    cases = plan(bench)
+    cases = select(plan(bench), patterns)
     problems = check_plan(cases)
     for gpus in gpus_list:
         run, skipped = schedule(cases, gpus)
@@ -245,8 +277,10 @@ def _probe(model: str, size: int, ranks: int, fraction: float, blocking: bool = 
 
 
 def largest(model: str, ranks: int, fraction: float, start: int, multiple: int, out: str, base: dict,
-            max_probes: int) -> tuple[int, dict | None]:
-    """Largest edge (a multiple of ``multiple``) that trains: doubling from ``start``, then bisection."""
+            max_probes: int) -> tuple[int, dict | None, str | None]:
+    """Largest edge (a multiple of ``multiple``) that trains: doubling from ``start``, then bisection.
+    Returns (edge, the record at that edge, None) or, when a probe fails for another reason than memory
+    (an import, a timeout, a bug), (edge so far, its record, that error): the search stops there."""
     good, bad, best = 0, None, None
     size = start
     for _ in range(max_probes):
@@ -256,6 +290,8 @@ def largest(model: str, ranks: int, fraction: float, start: int, multiple: int, 
                      "error": None if ok else r.get("error", "")[:500],
                      "step_s": r.get("step_s") if ok else None})
         print(f"  {model} ranks={ranks} edge={size}: {'fits' if ok else 'fails'}", flush=True)
+        if not ok and not is_out_of_memory(r.get("error", "")):
+            return good, best, r.get("error", "")
         if ok:
             good, best = size, r
         else:
@@ -267,7 +303,7 @@ def largest(model: str, ranks: int, fraction: float, start: int, multiple: int, 
             if nxt <= good or bad - good <= max(multiple, good // 32):
                 break
             size = nxt
-    return good, best
+    return good, best, None
 
 
 def _memory(r: dict | None) -> dict:
@@ -280,7 +316,8 @@ def _memory(r: dict | None) -> dict:
             "memory_missing": [p.get("missing") for p in r["per_rank"]]}
 
 
-def bench(out: str, base: dict, card_gib: float, quick: bool, cases: list[Case]) -> None:
+def bench(out: str, base: dict, card_gib: float, quick: bool, cases: list[Case]) -> int:
+    """Runs the benchmark cases; returns how many broke (for a reason other than running out of memory)."""
     from bigconv.harness.spmd_workload import memory_cap_note
 
     total = torch.cuda.get_device_properties(0).total_memory
@@ -290,15 +327,23 @@ def bench(out: str, base: dict, card_gib: float, quick: bool, cases: list[Case])
           f"(~{card_gib:g} GiB of allocator memory; the CUDA context and NCCL's buffers come on top)", flush=True)
     multiple = 8
     found: dict[tuple[str, int], int] = {}
+    errors = 0
     for c in cases:
         model = c.params["model"]
         if c.kind == "largest":
             ranks = c.params["ranks"]
-            edge, rec = largest(model, ranks, fraction, 2048, multiple, out, base, max_probes=4 if quick else 9)
+            edge, rec, error = largest(model, ranks, fraction, 2048, multiple, out, base,
+                                       max_probes=4 if quick else 9)
             found[model, ranks] = edge
             append(out, {**base, "kind": "largest", "case": c.name, "model": model, "ranks": ranks, "edge": edge,
-                         "step_s": rec["step_s"] if rec else None, **_memory(rec)})
-            print(f"{c.name}: largest edge on {ranks} rank(s) capped at {card_gib:g} GiB each: {edge}", flush=True)
+                         "step_s": rec["step_s"] if rec else None, **_memory(rec),
+                         **({"error": error[:2000]} if error else {})})
+            if error:
+                errors += 1
+                print(f"{c.name}: FAILED (not out of memory), the search stopped: {error[:500]}", flush=True)
+            else:
+                print(f"{c.name}: largest edge on {ranks} rank(s) capped at {card_gib:g} GiB each: {edge}",
+                      flush=True)
             continue
         edge = found.get((model, 4), 0) // 2 // multiple * multiple or 1024  # a size both modes comfortably train
         if c.kind == "overlap":
@@ -315,6 +360,8 @@ def bench(out: str, base: dict, card_gib: float, quick: bool, cases: list[Case])
                       f"{'n/a' if hidden is None else f'{hidden:.0%}'} of halo time hidden", flush=True)
             else:
                 rec["error"] = [r.get("error") if r else None for r in (overlap, blocking, compute)]
+                errors += 1
+                print(f"{c.name}: FAILED {rec['error']}", flush=True)
             append(out, rec)
         elif c.kind == "driver_bench":
             try:  # the driver mode at the same edge, side by side
@@ -331,7 +378,9 @@ def bench(out: str, base: dict, card_gib: float, quick: bool, cases: list[Case])
             except Exception as exc:
                 append(out, {**base, "kind": "driver_mode", "case": c.name, "model": model, "edge": edge,
                              "error": str(exc)[:2000]})
-                print(f"driver mode at {edge}²: {exc}", flush=True)
+                errors += 1
+                print(f"driver mode at {edge}²: FAILED {exc}", flush=True)
+    return errors
 
 
 def main(argv=None) -> None:
@@ -346,29 +395,36 @@ def main(argv=None) -> None:
     parser.add_argument("--dry", action="store_true",
                         help="run nothing: print, for each GPU count of --gpus, the cases that would run and those "
                              "skipped (by name), check the plan, and exit non-zero if it is wrong; needs no GPU")
+    parser.add_argument("--cases", nargs="+", default=None, metavar="PATTERN",
+                        help="only the cases whose names match one of these shell-style patterns, e.g. "
+                             "'bench/unet/*' 'spmd/2/*' (default: every case; --dry lists the names)")
     parser.add_argument("--gpus", type=int, nargs="+", default=None,
                         help="the GPU counts to plan for with --dry (default: 1 2 4 8); without --dry the node's")
     args = parser.parse_args(argv)
     if args.dry:
-        raise SystemExit(dry(args.gpus or [1, 2, 4, 8], not args.skip_bench))
+        raise SystemExit(dry(args.gpus or [1, 2, 4, 8], not args.skip_bench, args.cases))
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA GPU; on CPU the same paths run in the test suite (gloo), "
                          "and --dry prints the plan")
     from bigconv.harness.workload import environment
 
     gpus = torch.cuda.device_count()
-    run, skipped = schedule(plan(not args.skip_bench), gpus)
+    run, skipped = schedule(select(plan(not args.skip_bench), args.cases), gpus)
+    problems = check_plan(run)
+    if problems:  # before any process starts: a missing package must not read as out-of-memory probes
+        raise SystemExit("gpu_check cannot run its plan:\n" + "\n".join(problems))
     base = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "env": environment(), "gpus": gpus}
     eq_out, bench_out = (os.path.join(args.out_dir, f"gpu_{n}.jsonl") for n in ("equivalence", "bench"))
     for c, why in skipped:
         append(eq_out if c.kind in ("driver", "spmd") else bench_out, {**base, "case": c.name, "skipped": why})
         print(f"skipped {c.name}: {why}", flush=True)
-    failures = equivalence(eq_out, {**base, "bench": "gpu_equivalence"}, [c for c in run if c.kind in ("driver", "spmd")])
+    failures = equivalence(eq_out, {**base, "bench": "gpu_equivalence"},
+                           [c for c in run if c.kind in ("driver", "spmd")])
     print(f"equivalence: {failures} failure(s)", flush=True)
     bench_cases = [c for c in run if c.kind not in ("driver", "spmd")]
-    if bench_cases:
-        bench(bench_out, {**base, "bench": "gpu"}, args.card_gib, args.quick, bench_cases)
-    raise SystemExit(1 if failures else 0)
+    errors = bench(bench_out, {**base, "bench": "gpu"}, args.card_gib, args.quick, bench_cases) if bench_cases else 0
+    print(f"benchmark: {errors} case(s) broke", flush=True)
+    raise SystemExit(1 if failures or errors else 0)
 
 
 if __name__ == "__main__":

@@ -112,3 +112,42 @@ def test_gpu_check_plan_check_catches_a_wrong_layout():
                                                           "replicas": 1})
     assert gpu_check.check_plan([bad, bad]) == [
         "duplicate case spmd/4/cnn2d/2x1/R1", *["spmd/4/cnn2d/2x1/R1: grid (2, 1) × replicas 1 is not 4 ranks"] * 2]
+
+
+def test_gpu_check_names_a_missing_package_before_running(monkeypatch):
+    """The first GPU run found this: without MONAI every unet probe failed alike, and the largest-edge search
+    read each failure as out-of-memory, bisecting down to 8 px and reporting edge 0 with exit status 0."""
+    import builtins
+
+    from experiments import gpu_check
+
+    real_import = builtins.__import__
+
+    def no_monai(name, *args, **kwargs):
+        if name.split(".")[0] == "monai":
+            raise ImportError("No module named 'monai'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_monai)
+    cases = gpu_check.select(gpu_check.plan(), ["bench/*/largest/1"])
+    assert [c.name for c in cases] == ["bench/cnn2d/largest/1", "bench/unet/largest/1"]
+    (problem,) = gpu_check.check_plan(cases)
+    assert problem.startswith("bench/unet/largest/1: its model needs a package") and "monai" in problem
+
+
+def test_gpu_check_search_stops_at_an_error_that_is_not_memory(monkeypatch, tmp_path):
+    from experiments import gpu_check
+
+    probes = []
+
+    def probe(model, size, ranks, fraction, **kwargs):
+        probes.append(size)
+        if size > 4096:
+            return {"error": "rank 0 failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB"}
+        return {"step_s": 1.0} if size <= 2048 else {"error": "rank 0 failed: TimeoutError: no answer in 300 s"}
+
+    monkeypatch.setattr(gpu_check, "_probe", probe)
+    out = str(tmp_path / "bench.jsonl")
+    edge, rec, error = gpu_check.largest("cnn2d", 1, 0.2, 1024, 8, out, {}, max_probes=9)
+    assert (edge, rec, probes) == (2048, {"step_s": 1.0}, [1024, 2048, 4096]) and "TimeoutError" in error
+    assert gpu_check.is_out_of_memory("CUDA out of memory.") and not gpu_check.is_out_of_memory(error)
