@@ -191,3 +191,64 @@ def test_dsn_beats_source_only_on_an_easy_target():
     finally:
         torch.set_num_threads(threads)
     assert acc["dsn_mmd"] >= acc["source_only"] + 0.10, acc
+
+
+def test_reversal_ramps_after_the_warmup_and_old_lines_keep_their_recipe():
+    r = recipes.PaperRecipe(steps=100, warmup=40)
+    assert (r.grl_schedule, r.gamma) == ("dann", 1.0)
+    cfg = recipes.method_config(r, "dsn_dann")
+    factors = [cfg.grl_factor(s) for s in (0, 40, 50, 70, 100)]
+    assert factors[:2] == [0.0, 0.0] and factors == sorted(factors) and factors[-1] == pytest.approx(1.0, abs=1e-4)
+    assert factors[2] == pytest.approx(2 / (1 + np.exp(-10 / 6)) - 1)  # p = 10 / 60 of the ramp
+    const = recipes.method_config(recipes.PaperRecipe(steps=100, warmup=40, grl_schedule="constant"), "dann")
+    assert const.grl_factor(40) == const.grl_factor(99) == 1.0
+    with pytest.raises(ValueError, match="grl_schedule"):
+        recipes.PaperRecipe(grl_schedule="linear")
+    key = paper.recipe_record(recipes.PaperRecipe(grl_schedule="constant"), [])
+    older = {k: v for k, v in key.items() if k != "grl_schedule"}  # a line written before the field existed
+    assert paper.same_recipe(older, key)
+    assert not paper.same_recipe(older, paper.recipe_record(recipes.PaperRecipe(), []))
+
+
+@pytest.mark.timeout(180)
+def test_jobs_write_the_lines_one_process_writes(tmp_path):
+    """``--jobs 2``: each (method, seed) in a process of its own, longest first, the same lines as one process."""
+    from multidsn import paper_jobs
+
+    r = recipes.PaperRecipe(steps=3, warmup=1, batch_size=4)
+    assert paper_jobs.pending(r, ["source_only", "dsn_dann", "dann"], [0, 1], [], str(tmp_path / "none.jsonl")) == [
+        ("dsn_dann", 0), ("dsn_dann", 1), ("dann", 0), ("dann", 1), ("source_only", 0), ("source_only", 1)]
+    opts = RunOptions(quiet=True, out=str(tmp_path / "jobs.jsonl"))
+    assert paper_jobs.run_jobs(r, ["source_only", "dann"], [0], [], opts, jobs=2, threads=1) == 2
+    assert paper_jobs.pending(r, ["source_only", "dann"], [0], [], opts.out) == []  # recorded: nothing left
+    source, targets = mnist.paper_domains([])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = paper.run(r, ["dann", "source_only"], [0], source, targets, RunOptions(quiet=True,
+                                                                                    out=str(tmp_path / "one.jsonl")))
+    finally:
+        torch.set_num_threads(threads)
+    jobs = {r_["method"]: r_ for r_ in map(json.loads, (tmp_path / "jobs.jsonl").read_text().splitlines())}
+    for line in one:
+        other = jobs[line["method"]]
+        assert (other["target_acc"], other["history"]) == (line["target_acc"], line["history"]), line["method"]
+    with pytest.raises(ValueError, match="placement single"):
+        paper_jobs.run_jobs(r, ["dann"], [0], [], RunOptions(placement="domain"), jobs=2, threads=1)
+
+
+def test_lines_are_appended_whole(tmp_path):
+    path = str(tmp_path / "a.jsonl")
+    big = [{"i": i, "pad": "x" * 70_000} for i in range(2)]  # far past any buffer: still one write per call
+    paper.append_lines(path, big)
+    paper.append_lines(path, [{"i": 2}])
+    assert [json.loads(line)["i"] for line in open(path)] == [0, 1, 2]
+
+
+def test_a_gpu_device_is_for_one_process():
+    from multidsn.trainer import LocalDSN, make_trainer
+
+    dsn = paper.DSN(recipes.method_config(recipes.PaperRecipe(), "dann"))
+    assert isinstance(make_trainer(dsn, device="cpu"), LocalDSN)
+    with pytest.raises(ValueError, match="placement='single'"):
+        make_trainer(dsn, world=object(), placement="domain", device="cuda")
