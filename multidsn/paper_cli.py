@@ -88,9 +88,9 @@ def _stat(values: list[float | None]) -> str:
 def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
     """Markdown: per method, mean ± std over the seeds of the target accuracy, its polarity split, source
     accuracy, the domain diagnostics and private-code collapse; then the bar's verdict."""
-    rows = ["| method | seeds | target acc % | strokes light % | strokes dark % | source acc % | domain clf acc % "
-            "| domain probe acc % | private codes | train s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | seeds | target acc % | target val acc % | strokes light % | strokes dark % | source acc % "
+            "| domain clf acc % | domain probe acc % | private codes | train s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     means = {}
     for m in METHODS:
         mine = [r for r in lines if r["method"] == m and r["target"] == target and r["seed"] in seeds]
@@ -103,6 +103,7 @@ def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
             collapsed = sum(bool(r["private_codes"]["collapsed"]) for r in mine)
             codes = f"{collapsed}/{len(mine)} collapsed"
         rows.append(f"| {m} | {','.join(str(r['seed']) for r in mine)} | {_stat([r['target_acc'] for r in mine])} "
+                    f"| {_stat([r.get('target_val_acc') for r in mine])} "
                     f"| {_stat([r.get('target_acc_light') for r in mine])} "
                     f"| {_stat([r.get('target_acc_dark') for r in mine])} "
                     f"| {_stat([r['source_acc'] for r in mine])} | {_stat([r.get('domain_acc') for r in mine])} "

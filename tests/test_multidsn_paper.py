@@ -109,7 +109,8 @@ def test_sgd_schedule_and_warmup_reach_the_model():
     assert [e["similarity"] is None for e in h] == [True] * 3 + [False] * 3  # warm-up: the task loss alone
     assert all(e["recon"] and e["domain_accuracy"] is not None for e in h[3:])
     rows = paper.evaluate(model, "dsn_dann", source, targets, RunOptions())
-    assert {"target_acc", "target_acc_light", "target_acc_dark", "domain_probe_acc", "private_codes"} <= set(rows[0])
+    assert {"target_acc", "target_val_acc", "target_acc_light", "target_acc_dark", "domain_probe_acc",
+            "private_codes"} <= set(rows[0])
     assert rows[0]["light_count"] + rows[0]["dark_count"] == 64
 
     # DANN alone: the private encoders never run, so they keep their initial weights
