@@ -146,16 +146,29 @@ def _rows(seen, shape, grid) -> list[LayerRow]:
     return rows
 
 
-def measure_plain(spec: str, shape: tuple[int, ...], steps: int = 2, timeout_s: float = 600) -> int:
-    """Peak bytes of a plain training run of ``spec`` on ``shape``, in a fresh process."""
+def measure_plain(spec: str, shapes: list[tuple[int, ...]], steps: int = 2, timeout_s: float = 600) -> list[int]:
+    """Peak bytes of a plain training run of ``spec`` on each of ``shapes``, each in a fresh process. The
+    processes run at once: each peak is its own process's, so they do not disturb one another's figure,
+    and the wait is one run's rather than their sum."""
     env = {**WORKER_ENV, **os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     code = ("import json, sys; from bigconv.harness.inspection import _plain_peak; "
             "print(json.dumps(_plain_peak(sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]))))")
-    done = subprocess.run([sys.executable, "-c", code, spec, json.dumps(list(shape)), str(steps)], env=env,
-                          capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
-    if done.returncode != 0:
-        raise RuntimeError(f"the plain run of {spec} on {shape} failed: {done.stderr.strip()[-1500:]}")
-    return int(json.loads(done.stdout.strip().splitlines()[-1]))
+    procs = [subprocess.Popen([sys.executable, "-c", code, spec, json.dumps(list(shape)), str(steps)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for shape in shapes]
+    peaks = []
+    try:
+        for shape, proc in zip(shapes, procs):
+            out, err = proc.communicate(timeout=timeout_s)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the plain run of {spec} on {shape} failed: {err.strip()[-1500:]}")
+            peaks.append(int(json.loads(out.strip().splitlines()[-1])))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return peaks
 
 
 def _plain_peak(spec: str, shape: list, steps: int) -> int:
@@ -194,7 +207,7 @@ class MemoryEstimate:
 def estimate_memory(spec: str, shape: tuple[int, ...], workers: int, edges: tuple[int, int] = (128, 256)
                     ) -> MemoryEstimate:
     pixels = [e ** (len(shape) - 2) for e in edges]
-    peaks = [measure_plain(spec, (*shape[:2], *[e] * (len(shape) - 2))) for e in edges]
+    peaks = measure_plain(spec, [(*shape[:2], *[e] * (len(shape) - 2)) for e in edges])
     per_pixel = max(0.0, (peaks[1] - peaks[0]) / (pixels[1] - pixels[0]))
     fixed = max(0.0, peaks[0] - per_pixel * pixels[0])
     total = math.prod(shape[2:])
