@@ -27,7 +27,7 @@ from bigconv import progress
 from .data import Domain, Sampler
 from .evaluation import accuracy, accuracy_by_polarity, domain_probe_accuracy, private_code_report
 from .model import DSN
-from .recipes import PaperRecipe, lr_at, method_config
+from .recipes import PaperRecipe, base_lr, lr_at, method_config
 from .train_report import environment
 from .trainer import make_trainer
 
@@ -64,13 +64,27 @@ def recipe_record(recipe: PaperRecipe, extra_targets: list[str]) -> dict:
             "extra_targets": list(extra_targets)}
 
 
-ADDED_FIELDS = {"grl_schedule": "constant"}
+ADDED_FIELDS = {"grl_schedule": "constant", "lr_mmd": None}
 """Recipe fields added after records were written, with the value those records ran with."""
 
 
-def same_recipe(recorded: dict | None, recipe: dict) -> bool:
-    """Whether a line's recipe is ``recipe`` (a line older than a field ran with its ``ADDED_FIELDS`` value)."""
-    return recorded is not None and {**ADDED_FIELDS, **recorded} == recipe
+def effective(recipe: dict, method: str) -> dict:
+    """The settings a row's training actually reads: its own learning rate; no MMD weight outside the MMD
+    row; no reversal (``gamma``, ``grl_schedule``) in it. Two recipes that agree here train the row alike."""
+    r = {**ADDED_FIELDS, **recipe}
+    lr_mmd = r.pop("lr_mmd")
+    if method == "dsn_mmd":
+        r["lr"] = r["lr"] if lr_mmd is None else lr_mmd
+        del r["gamma"], r["grl_schedule"]
+    else:
+        del r["gamma_mmd"]
+    return r
+
+
+def same_recipe(recorded: dict | None, recipe: dict, method: str) -> bool:
+    """Whether a line of ``method`` counts for ``recipe``: the settings its training read are the ones
+    ``recipe`` gives that row (a line older than a field ran with its ``ADDED_FIELDS`` value)."""
+    return recorded is not None and effective(recorded, method) == effective(recipe, method)
 
 
 def done(path: str, recipe: dict) -> set[tuple[str, str, int]]:
@@ -80,7 +94,7 @@ def done(path: str, recipe: dict) -> set[tuple[str, str, int]]:
     out = set()
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
-        if same_recipe(r.get("recipe"), recipe) and "method" in r:
+        if "method" in r and same_recipe(r.get("recipe"), recipe, r["method"]):
             out.add((r["method"], r["target"], r["seed"]))
     return out
 
@@ -91,7 +105,8 @@ def train(recipe: PaperRecipe, method: str, seed: int, source: Domain, targets: 
     cfg = method_config(recipe, method, len(targets), image_size=source.train_x.shape[-1])
     torch.manual_seed(seed)
     model = make_trainer(DSN(cfg), world, opts.placement, opts.decoder, opts.head, opts.device)
-    model.optimizer(torch.optim.SGD, lr=recipe.lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
+    model.optimizer(torch.optim.SGD, lr=base_lr(recipe, method), momentum=recipe.momentum,
+                    weight_decay=recipe.weight_decay)
     if method == "target_only":  # the target's own labelled images in the source's place
         (target,) = targets
         labelled = Domain(target.name, target.train_x, target.train_y, target.test_x, target.test_y)
@@ -102,8 +117,8 @@ def train(recipe: PaperRecipe, method: str, seed: int, source: Domain, targets: 
     start = time.perf_counter()
     with progress.bar(recipe.steps, f"{method} (seed {seed})", opts, unit="step") as pb:
         for step in range(recipe.steps):
-            if lr_at(recipe, step) != lr:
-                lr = lr_at(recipe, step)
+            if lr_at(recipe, step, method) != lr:
+                lr = lr_at(recipe, step, method)
                 model.set_lr(lr)
             terms = model.train_step_terms(next(sampler))
             pb.update(1)

@@ -26,7 +26,7 @@ def recipe_from(args: argparse.Namespace) -> PaperRecipe:
     return PaperRecipe(steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, lr=args.lr,
                        momentum=args.momentum, weight_decay=args.weight_decay, lr_decay=args.lr_decay,
                        lr_decay_steps=args.lr_decay_steps, alpha=args.alpha, beta=args.beta, gamma=args.gamma,
-                       gamma_mmd=args.gamma_mmd, grl_schedule=args.grl_schedule)
+                       gamma_mmd=args.gamma_mmd, grl_schedule=args.grl_schedule, lr_mmd=args.lr_mmd)
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
@@ -69,10 +69,15 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
 
 
 def records(path: str, key: dict) -> list[dict]:
-    """The lines of ``path`` written with this recipe."""
+    """The lines of ``path`` that count for this recipe (``paper.same_recipe``), the last of each
+    (method, target, seed)."""
     if not Path(path).exists():
         return []
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if same_recipe(r.get("recipe"), key)]
+    latest = {}  # one line per (method, target, seed): the last one recorded
+    for r in map(json.loads, Path(path).read_text().splitlines()):
+        if "method" in r and same_recipe(r.get("recipe"), key, r["method"]):
+            latest[r["method"], r["target"], r["seed"]] = r
+    return list(latest.values())
 
 
 def _stat(values: list[float | None]) -> str:

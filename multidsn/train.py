@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"similarity weight of the dsn_mmd row (default: {PAPER.gamma_mmd})")
     paper.add_argument("--weight-decay", type=float, default=PAPER.weight_decay,
                        help=f"SGD weight decay (default: {PAPER.weight_decay})")
+    paper.add_argument("--lr-mmd", type=float, default=PAPER.lr_mmd,
+                       help=f"learning rate of the dsn_mmd row, which diverged at 0.02 (default: {PAPER.lr_mmd})")
     paper.add_argument("--lr-decay", type=float, default=PAPER.lr_decay,
                        help=f"staircase learning-rate decay factor (default: {PAPER.lr_decay})")
     paper.add_argument("--lr-decay-steps", type=int, default=PAPER.lr_decay_steps,

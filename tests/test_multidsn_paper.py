@@ -125,7 +125,7 @@ def test_help_names_every_default_and_the_command():
     parser = train.build_parser()
     assert parser.format_help().startswith("usage: python -m multidsn.train")
     p = train.parse_args([])
-    assert (p.recipe, p.steps, p.lr, p.out) == ("paper", 5000, 0.01, "results/multidsn_paper.jsonl")
+    assert (p.recipe, p.steps, p.lr, p.lr_mmd, p.out) == ("paper", 5000, 0.02, 0.01, "results/multidsn_paper.jsonl")
     assert train.parse_args(["--recipe", "demo"]).lr is None  # demo: 1e-3 for adam, 0.01 for sgd
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
@@ -151,7 +151,7 @@ def test_cli_records_one_line_per_method_target_seed_and_skips_them_on_rerun(tmp
         assert r["target"] == "t" and 0 <= r["target_acc"] <= 1 and r["steps"] == 3 and r["commit"]
     train.main(argv)  # everything is recorded: nothing is trained or written again
     assert len(out.read_text().splitlines()) == 6
-    train.main(argv[:-1] + ["--lr", "0.02", "-q"])  # another recipe is another table
+    train.main(argv[:-1] + ["--lr", "0.03", "-q"])  # another recipe is another table
     assert len(out.read_text().splitlines()) == 12
 
 
@@ -205,10 +205,18 @@ def test_reversal_ramps_after_the_warmup_and_old_lines_keep_their_recipe():
     assert const.grl_factor(40) == const.grl_factor(99) == 1.0
     with pytest.raises(ValueError, match="grl_schedule"):
         recipes.PaperRecipe(grl_schedule="linear")
-    key = paper.recipe_record(recipes.PaperRecipe(grl_schedule="constant"), [])
-    older = {k: v for k, v in key.items() if k != "grl_schedule"}  # a line written before the field existed
-    assert paper.same_recipe(older, key)
-    assert not paper.same_recipe(older, paper.recipe_record(recipes.PaperRecipe(), []))
+    # a line counts for a recipe when the settings its row's training read agree
+    old = paper.recipe_record(recipes.PaperRecipe(lr=0.01, grl_schedule="constant", gamma=0.25), [])
+    del old["grl_schedule"], old["lr_mmd"]  # written before these fields existed
+    new = paper.recipe_record(recipes.PaperRecipe(), [])  # lr 0.02, MMD row at 0.01, ramped reversal, gamma 1
+    assert paper.same_recipe(old, new, "dsn_mmd")  # the MMD row reads neither the reversal nor lr
+    assert not any(paper.same_recipe(old, new, m) for m in ("dann", "dsn_dann", "source_only"))
+    assert paper.same_recipe(old, paper.recipe_record(recipes.PaperRecipe(lr=0.01, lr_mmd=None, grl_schedule="constant",
+                                                                          gamma=0.25, gamma_mmd=3.0), []), "dann")
+    assert not paper.same_recipe(old, paper.recipe_record(recipes.PaperRecipe(gamma_mmd=3.0), []), "dsn_mmd")
+    r = recipes.PaperRecipe()
+    assert (recipes.lr_at(r, 0, "dsn_mmd"), recipes.lr_at(r, 0, "dann"), recipes.lr_at(r, 0, "source_only")) == (
+        0.01, 0.02, 0.02)
 
 
 @pytest.mark.timeout(180)
