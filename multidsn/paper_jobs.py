@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
@@ -50,6 +53,16 @@ def run_jobs(recipe: PaperRecipe, methods: list[str], seeds: list[int], extra_ta
     logs = not opts.quiet
     opts = RunOptions(**{**opts.__dict__, "quiet": True})  # a log line per model, no bars fighting for stderr
     ctx = multiprocessing.get_context("spawn")  # no forked torch thread pools
-    with ctx.Pool(min(jobs, len(todo)), maxtasksperchild=1) as pool:
-        results = [pool.apply_async(_one, (recipe, m, s, extra_targets, opts, threads, logs)) for m, s in todo]
-        return sum(r.get() for r in results)
+    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+    # A process pool whose worker dies (killed, out of memory) fails its pending runs with BrokenProcessPool
+    # instead of waiting for them forever, as multiprocessing.Pool would.
+    with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx, **fresh) as pool:
+        futures = {pool.submit(_one, recipe, m, s, extra_targets, opts, threads, logs): (m, s) for m, s in todo}
+        written = 0
+        for future, (method, seed) in futures.items():
+            try:
+                written += future.result()
+            except BrokenProcessPool as exc:
+                raise RuntimeError(f"the process training {method} (seed {seed}) died; the lines written so far "
+                                   f"stay in {opts.out}, and a rerun trains only what is missing") from exc
+        return written

@@ -261,3 +261,38 @@ def test_a_gpu_device_is_for_one_process():
     assert isinstance(make_trainer(dsn, device="cpu"), LocalDSN)
     with pytest.raises(ValueError, match="placement='single'"):
         make_trainer(dsn, world=object(), placement="domain", device="cuda")
+
+
+@pytest.mark.timeout(120)
+def test_jobs_report_a_dead_process_instead_of_waiting(tmp_path):
+    import threading
+    import time
+
+    import psutil
+
+    from multidsn import paper_jobs
+
+    r = recipes.PaperRecipe(steps=2000, warmup=1, batch_size=4)
+    outcome = {}
+
+    def train():
+        try:
+            paper_jobs.run_jobs(r, ["source_only"], [0], [], RunOptions(quiet=True, out=str(tmp_path / "x.jsonl")),
+                                jobs=2, threads=1)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    worker = None
+    while worker is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        worker = next((p for p in psutil.Process().children(recursive=True)
+                       if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())),
+                      None)
+    assert worker is not None, "no training process started"
+    worker.kill()
+    thread.join(60)
+    assert not thread.is_alive(), "run_jobs still waits for a dead process"
+    assert "source_only (seed 0) died" in str(outcome.get("error")), outcome
