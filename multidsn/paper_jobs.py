@@ -63,6 +63,7 @@ def run_jobs(recipe: PaperRecipe, methods: list[str], seeds: list[int], extra_ta
             try:
                 written += future.result()
             except BrokenProcessPool as exc:
-                raise RuntimeError(f"the process training {method} (seed {seed}) died; the lines written so far "
-                                   f"stay in {opts.out}, and a rerun trains only what is missing") from exc
+                raise RuntimeError(f"a training process died, and with it {method} (seed {seed}) and the runs "
+                                   f"after it; the lines written so far stay in {opts.out}, and a rerun trains "
+                                   f"only what is missing") from exc
         return written

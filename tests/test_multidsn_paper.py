@@ -295,4 +295,4 @@ def test_jobs_report_a_dead_process_instead_of_waiting(tmp_path):
     worker.kill()
     thread.join(60)
     assert not thread.is_alive(), "run_jobs still waits for a dead process"
-    assert "source_only (seed 0) died" in str(outcome.get("error")), outcome
+    assert "a training process died, and with it source_only (seed 0)" in str(outcome.get("error")), outcome
