@@ -117,6 +117,6 @@ def base_lr(recipe: PaperRecipe, method: str) -> float:
     return recipe.lr_mmd if method == "dsn_mmd" and recipe.lr_mmd is not None else recipe.lr
 
 
-def lr_at(recipe: PaperRecipe, step: int, method: str = "dsn_dann") -> float:
+def lr_at(recipe: PaperRecipe, step: int, method: str) -> float:
     """The staircase schedule: base_lr * lr_decay ** (step // lr_decay_steps)."""
     return base_lr(recipe, method) * recipe.lr_decay ** (step // recipe.lr_decay_steps)

@@ -171,7 +171,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, values in RECIPE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, values[column])
+    _check_device(args)
     return args
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """A --device that cannot hold the model is refused here, before any data is made or worker started."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise SystemExit(f"--device {args.device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cpu":
+        return
+    if args.placement != "single":
+        raise SystemExit(f"--device {args.device} is for --placement single: a distributed placement's workers "
+                         f"hold the model (use --device cpu)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this process sees no GPU; use --device cpu")
 
 
 def _method_list(text: str) -> list[str]:

@@ -83,7 +83,7 @@ def test_each_row_is_its_method():
     for c in cfgs.values():
         assert c.architecture == "dann_mnist" and c.private_batch_norm and c.image_size == 32
         assert (c.shared_widths, c.private_widths, c.code_size) == ((32, 48), (32, 64), 100)
-    assert [recipes.lr_at(recipes.PaperRecipe(lr=0.01, lr_decay=0.5, lr_decay_steps=10), s)
+    assert [recipes.lr_at(recipes.PaperRecipe(lr=0.01, lr_decay=0.5, lr_decay_steps=10), s, "dann")
             for s in (0, 9, 10, 25)] == pytest.approx([0.01, 0.01, 0.005, 0.0025])
     with pytest.raises(ValueError, match="warmup"):
         recipes.PaperRecipe(steps=10, warmup=10)
@@ -296,3 +296,14 @@ def test_jobs_report_a_dead_process_instead_of_waiting(tmp_path):
     thread.join(60)
     assert not thread.is_alive(), "run_jobs still waits for a dead process"
     assert "a training process died, and with it source_only (seed 0)" in str(outcome.get("error")), outcome
+
+
+def test_a_device_that_cannot_hold_the_model_is_refused_before_any_work():
+    with pytest.raises(SystemExit, match="placement single"):
+        train.parse_args(["--device", "cuda", "--placement", "domain"])
+    with pytest.raises(SystemExit, match="not a device"):
+        train.parse_args(["--device", "gpu0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="sees no GPU"):
+            train.parse_args(["--device", "cuda"])
+    assert train.parse_args(["--device", "cpu"]).device == "cpu"
