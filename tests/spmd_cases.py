@@ -299,8 +299,22 @@ def run_cases(names: list[str], timeout: float = 60.0) -> dict:
     return results
 
 
+def _panel(build_name: str, shape):
+    """The sabotage panel (``bigconv.sabotage``) on SPMD ranks: the clean verdict and each sabotage's."""
+    def run(world):
+        import test_verdict_panel as tvp
+
+        g = torch.Generator().manual_seed(1)
+        inputs = (torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (shape[0],), generator=g))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return tvp.measure(build_name, getattr(tvp, build_name), inputs, world.size, (2, 2), world)
+    return run
+
+
 SPECIAL = {"adjoint": (4, adjoint), "bad_input": (2, bad_input), "sources/R1": (2, sources),
-           "sources/R2": (4, sources)}
+           "sources/R2": (4, sources), "panel/stochastic_net": (4, _panel("stochastic_net", (4, 2, 13, 11))),
+           "panel/bn_net": (4, _panel("bn_net", (2, 2, 12, 10)))}
 """Cases with their own checks (not ``compare_training`` alone)."""
 
 

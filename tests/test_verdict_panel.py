@@ -1,0 +1,93 @@
+"""The sabotage panel: every error planted in a distributed run reads ``not exact`` (``bigconv.sabotage``).
+
+A verdict that cannot fail proves nothing. For each model, one reference (from the untouched model), one
+distributed run on a World and, for a model that draws random numbers, one more with another seed's
+draws; then each sabotage (a doubled output, a negated input gradient, every weight x1.5, a negated
+running mean, one small gradient x(1+1e-6), a lost gradient, the last loss off by 1e-8, another seed's
+masks) is judged and must read ``not exact``, and the clean run must read ``exact``. The models are the
+known traps: dropout and DropPath (timm tinynet_e; ConvNeXt-atto with layer scale 1e-6 and DropPath),
+BatchNorm on small maps (timm regnetx_002, gernet_s), an FPN on mobileone_s0 at 64x64, and plain models.
+The timm/smp ones take minutes on 2 cores and run under the ``zoo`` marker; the SPMD path has its own
+case (``tests/spmd_cases.py``, ``panel/...``).
+
+Broken on purpose once: with the noise runs sharing one copy of the model (the old in-place noise run,
+which trained the copy it measured), tinynet_e's clean and sabotaged runs stop reading as they must.
+A failure points at bigconv/verify.py or bigconv/sabotage.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from test_habits import stochastic_net
+
+from bigconv.sabotage import OTHER_SEED, SABOTAGES
+from experiments.verdict_panel import measure, panel_models
+
+ALWAYS = set(SABOTAGES) - {"running mean negated"}
+"""Sabotages every model has a tensor for (a running mean needs BatchNorm; another seed needs draws)."""
+
+
+def bn_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                         nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def assert_panel(r: dict, batchnorm: bool, draws: bool) -> None:
+    assert r["clean"] == "exact", r
+    applied = {name for name, v in r["sabotaged"].items() if v is not None}
+    assert ALWAYS <= applied, r["sabotaged"]
+    assert ("running mean negated" in applied) == batchnorm and (OTHER_SEED in applied) == draws, r["sabotaged"]
+    let_through = {name: v for name, v in r["sabotaged"].items() if v not in (None, "not exact")}
+    assert not let_through, let_through
+
+
+def _inputs(shape, classes=3):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(0, classes, (shape[0],), generator=g)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, build, shape, batchnorm, draws", [
+    ("bigconv/CNN2D", None, None, False, False),
+    ("bn_net", bn_net, (2, 2, 12, 10), True, False),
+    ("stochastic_net", stochastic_net, (4, 2, 13, 11), False, True),
+])
+def test_the_panel_on_small_models(world, name, build, shape, batchnorm, draws):
+    if build is None:
+        build, inputs, _, grid = panel_models()[name]
+    else:
+        inputs, grid = _inputs(shape), (2, 2)
+    assert_panel(measure(name, build, inputs, 4, grid, world), batchnorm, draws)
+
+
+TRAPS = {"timm/tinynet_e_droppath": (True, True), "timm/convnext_atto_droppath": (False, True),
+         "timm/regnetx_002": (True, False), "timm/gernet_s": (True, False), "smp/FPN_mobileone_s0": (True, True)}
+"""name -> (has BatchNorm, draws random numbers)."""
+
+
+def _traps(workers: int) -> list[str]:
+    return sorted(n for n in TRAPS if panel_models()[n][2] == workers)
+
+
+def _trap_panel(world, name):
+    build, inputs, workers, grid = panel_models()[name]
+    assert_panel(measure(name, build, inputs, workers, grid, world), *TRAPS[name])
+
+
+@pytest.mark.zoo
+@pytest.mark.world(2)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", _traps(2))
+def test_the_panel_on_the_known_traps_2_workers(world, name):
+    _trap_panel(world, name)
+
+
+@pytest.mark.zoo
+@pytest.mark.world(4)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", _traps(4))
+def test_the_panel_on_the_known_traps_4_workers(world, name):
+    _trap_panel(world, name)
