@@ -59,24 +59,38 @@ def parser() -> argparse.ArgumentParser:
 
 
 def exactness(spec: str, shape: tuple[int, ...], workers: int) -> dict:
-    """``compare_training`` on a small float64 input: one process against ``workers`` local ones."""
+    """``compare_training`` on a small float64 input: one process against ``workers`` local ones.
+
+    The model is built as the user has it (training mode: dropout and stochastic depth on); both sides
+    draw the same masks (``bigconv.ops.random``). Where the verdict is ``ill-conditioned at this size``,
+    ``rerun_at`` is an input shape at which one process's run is well conditioned (or None)."""
+    from .engine.dry_run import copy_model
     from .runtime.world import World
-    from .verify import compare_training
+    from .verify import compare_training, conditioned_size
 
     torch.manual_seed(0)
     model = build_model(spec).double()
     x = torch.randn(*shape, dtype=torch.float64)
-    with torch.no_grad():
-        y = torch.randn_like(model(x))  # MSE against a random target of the output's shape
-    torch.manual_seed(0)
-    model = build_model(spec).double()
+
+    def target(inp: torch.Tensor) -> torch.Tensor:  # MSE against a random target of the output's shape
+        with torch.no_grad():
+            return torch.randn_like(copy_model(model).eval()(inp))
+
+    y = target(x)
     grid = choose_grid(shape[2:], workers)
+    untouched = copy_model(model)  # compare_training hands ``model`` to the workers
     with World(workers=workers) as world:
         r = compare_training(model, world, x, y, torch.nn.MSELoss(), grid=grid, steps=1)
-    keys = ("forward", "input_grad", "param_grads", "weights")
+    rerun = conditioned_size(untouched, x, target, torch.nn.MSELoss(), steps=1) \
+        if r["verdict"] == "ill-conditioned at this size" else None
+    keys = ("forward", "input_grad", "param_grads", "loss", "weights")
     return {"input": list(shape), "dtype": "float64", "workers": workers, "grid": list(grid), "exact": r["exact"],
-            "relative_errors": {k: r[k] for k in keys}, "worst": {k: r["worst"][k] for k in keys},
-            "tolerance": r.get("tol")}
+            "verdict": r["verdict"], "relative_errors": {k: r[k] for k in keys}, "worst": {k: r["worst"][k] for k in keys},
+            "ill_conditioned": [{k: t[k] for k in ("category", "tensor", "error", "scale", "noise")}
+                                for t in r["ill_conditioned"]],
+            "wrong": [{k: t[k] for k in ("category", "tensor", "error", "scale", "noise", "status")}
+                      for t in r["wrong"]],
+            "residues": len(r["residues"]), "rerun_at": list(rerun) if rerun else None, "tolerance": r.get("tol")}
 
 
 def check(args) -> dict:
@@ -141,7 +155,19 @@ def report(r: dict) -> str:
     if e:
         errs = ", ".join(f"{k} {v:.1e}" for k, v in e["relative_errors"].items())
         lines += ["", f"Exactness on {_x(e['input'])} float64, {e['workers']} workers, grid {_x(e['grid'])}: "
-                  f"{'EXACT' if e['exact'] else 'NOT EXACT'} (worst relative errors: {errs})"]
+                  f"{e['verdict'].upper()} (worst relative errors: {errs}; {e['residues']} residues, tensors "
+                  "that are zero in exact arithmetic, within 10x their rounding noise)"]
+        for t in e["wrong"][:10]:
+            lines.append(f"  {t['status']}: {t['category']} {t['tensor']}: error {t['error']:.1e}, size "
+                         f"{t['scale']:.1e}, rounding noise {t['noise']:.1e}")
+        if e["verdict"] == "ill-conditioned at this size":
+            lines.append(f"  rounding alone moves {len(e['ill_conditioned'])} tensors by more than "
+                         f"{e['tolerance']:.0e} of their size in one process, so no comparison can call them exact:")
+            lines += [f"    {t['category']} {t['tensor']}: noise {t['noise']:.1e} of size {t['scale']:.1e}"
+                      for t in e["ill_conditioned"][:10]]
+            lines.append(f"  rerun with --exact-size {e['rerun_at'][2]} (one process is well conditioned at "
+                         f"{_x(e['rerun_at'])})" if e["rerun_at"] else
+                         "  no input up to 8x larger per side makes one process well conditioned")
     return "\n".join(lines)
 
 

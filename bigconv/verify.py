@@ -386,16 +386,19 @@ def conditioned_size(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callab
                      optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None, seed: int = 0,
                      tol: float | None = None, doublings: int = 3) -> tuple[int, ...] | None:
     """The smallest input shape, doubling every spatial dim of ``x`` up to ``doublings`` times, at which one
-    process's run has no ill-conditioned tensor (a random input of that shape; the targets kept, so only
-    for targets without spatial dims). None where none of those sizes is, or the targets are dense."""
-    if not isinstance(y, torch.Tensor) or y.dim() > 1:
+    process's run has no ill-conditioned tensor: a suggestion from one random input of that shape.
+
+    ``y``: targets without spatial dims (kept as they are), or a function from an input to its targets;
+    for other targets (a dense map of ``x``'s size) there is no suggestion: None, as where no size helps.
+    """
+    if not callable(y) and (not isinstance(y, torch.Tensor) or y.dim() > 1):
         return None
     tol = _tol(model, x) if tol is None else tol
     generator = torch.Generator().manual_seed(seed)
     for k in range(1, doublings + 1):
         shape = (*x.shape[:2], *(s * 2 ** k for s in x.shape[2:]))
         xk = torch.randn(shape, generator=generator, dtype=x.dtype)
-        ref = reference(model, xk, y, loss_fn, steps, optimizer, opt_kwargs, seed, tol)
+        ref = reference(model, xk, y(xk) if callable(y) else y, loss_fn, steps, optimizer, opt_kwargs, seed, tol)
         if not summarize(judge(ref.run, ref, tol), tol)["ill_conditioned"]:
             return tuple(shape)
     return None

@@ -99,9 +99,72 @@ def test_the_terminal_report_names_every_part():
          "refusal": None, "layers": [vars(row) for row in rows],
          "memory": {"method": "two plain runs", "single_bytes": 400 * 2**20, "per_process_bytes": 110 * 2**20,
                     "ideal_per_process_bytes": 100 * 2**20},
-         "exactness": {"input": [2, 1, 64, 64], "workers": 4, "grid": [2, 2], "exact": True,
-                       "relative_errors": {"forward": 1e-16, "weights": 2e-16}}}
+         "exactness": {"input": [2, 1, 64, 64], "workers": 4, "grid": [2, 2], "exact": True, "verdict": "exact",
+                       "relative_errors": {"forward": 1e-16, "weights": 2e-16}, "wrong": [], "ill_conditioned": [],
+                       "residues": 2, "rerun_at": None, "tolerance": 1e-9}}
     text = report(r)
     assert "Decomposable: yes" in text and "features.0" in text and "32x32" in text  # a 2x2 grid's shard
     assert "one process: 400 MiB; each of 4 processes: 110 MiB (single / 4: 100 MiB)" in text
-    assert "EXACT" in text and "forward 1.0e-16" in text
+    assert ": EXACT (" in text and "forward 1.0e-16" in text and "2 residues" in text
+    # An ill-conditioned result is never reported exact: it names the tensors and the size to rerun at.
+    r["exactness"].update(exact=False, verdict="ill-conditioned at this size", rerun_at=[2, 1, 128, 128],
+                          ill_conditioned=[{"category": "weights", "tensor": "bn.bias", "error": 1e-17,
+                                            "scale": 1e-9, "noise": 1e-16}])
+    text = report(r)
+    assert ": ILL-CONDITIONED AT THIS SIZE (" in text and ": EXACT" not in text
+    assert "weights bn.bias: noise 1.0e-16 of size 1.0e-09" in text and "rerun with --exact-size 128" in text
+
+
+WRONG_ON_WORKERS = """
+import os
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class WrongOnWorkers(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pid):
+        ctx.wrong = os.getpid() != pid
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * 1.001 if ctx.wrong else g), None
+
+
+class Net(nn.Module):
+    def __init__(self, wrong):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout2d(0.3))
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(4, 3))
+        self.wrong, self.pid = wrong, os.getpid()
+
+    def forward(self, x):
+        w = WrongOnWorkers.apply(self.conv.weight, self.pid) if self.wrong else self.conv.weight
+        return self.head(F.conv2d(self.body(x), w, self.conv.bias, padding=1))
+
+
+def right():
+    return Net(False)
+
+
+def wrong():
+    return Net(True)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_the_check_can_fail(tmp_path):
+    """A model in training mode (dropout drawn on both sides alike) is exact; the same model with a 0.1% error
+    in its workers' backward reads NOT EXACT, names the tensors and exits 1."""
+    (tmp_path / "nets.py").write_text(WRONG_ON_WORKERS)
+    common = ["--input", "1x3x64x64", "--workers", "2", "--no-memory", "--exact-size", "24", "--json"]
+    done = run_check(f"{tmp_path / 'nets.py'}:right", *common)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["exactness"]["verdict"] == "exact"
+    done = run_check(f"{tmp_path / 'nets.py'}:wrong", *common)
+    assert done.returncode == 1, done.stderr[-3000:]
+    e = json.loads(done.stdout)["exactness"]
+    assert e["verdict"] == "not exact" and e["wrong"] and e["wrong"][0]["category"] in ("param_grads", "weights")
