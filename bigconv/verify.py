@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -162,9 +162,10 @@ class Reference:
 
 def reordered_runs(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ref: Run, steps: int = 2,
                    optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None,
-                   seed: int = 0) -> dict[str, Run]:
-    """The noise runs: ``model``'s training run, each from its own fresh copy, with only the order of
-    floating-point sums changed (see the module docstring). An error in one is raised, naming it."""
+                   seed: int = 0) -> Iterator[tuple[str, Run]]:
+    """The noise runs, one at a time (a large model's copies and runs are not all held at once): ``model``'s
+    training run, each from its own fresh copy, with only the order of floating-point sums changed (see the
+    module docstring). An error in one is raised, naming it."""
     runs = {}
     layout = _CHANNELS_LAST.get(x.dim())
     if layout is not None:
@@ -175,14 +176,14 @@ def reordered_runs(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable
             r = train_single(copy_model(model), x.flip(0), y.flip(0), loss_fn, steps, optimizer, opt_kwargs, seed)
             return replace(r, output=r.output.flip(0), input_grad=r.input_grad.flip(0))
         runs["reversed batch"] = reversed_batch
-    done = {}
     for name, run in runs.items():
         try:
-            done[name] = run()
+            done = run()
         except Exception as exc:
             raise RuntimeError(f"the exactness verdict's noise run ({name}) failed: {type(exc).__name__}: {exc}. "
                                "Without it rounding's effect is unknown and no verdict is given") from exc
-    return done
+        yield name, done
+        del done
 
 
 def _reversible(x: torch.Tensor, y, ref: Run) -> bool:
@@ -202,8 +203,9 @@ def reference(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ste
     named = named_tensors(run)
     noise = {key: 0.0 for key in named}
     rounding_only = True
-    others = reordered_runs(model, x, y, loss_fn, run, steps, optimizer, opt_kwargs, seed)
-    for other in others.values():
+    names = []
+    for name, other in reordered_runs(model, x, y, loss_fn, run, steps, optimizer, opt_kwargs, seed):
+        names.append(name)
         theirs = named_tensors(other)
         for key, want in named.items():
             if not want.is_floating_point():
@@ -212,7 +214,8 @@ def reference(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ste
             noise[key] = max(noise[key], moved)
             if key[0] in NEVER_FLOORED and not moved <= tol * _scale(want):
                 rounding_only = False
-    return Reference(run, noise, list(others), rounding_only)
+        del other, theirs
+    return Reference(run, noise, names, rounding_only)
 
 
 def _tol(model: torch.nn.Module, x: torch.Tensor) -> float:
