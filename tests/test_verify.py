@@ -274,7 +274,7 @@ def test_the_noise_runs_are_rounding_of_fresh_copies():
 class NoChannelsLast(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
 
     def forward(self, x):
         if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
@@ -283,6 +283,6 @@ class NoChannelsLast(nn.Module):
 
 
 def test_a_failing_noise_run_is_an_error_of_the_verdict():
-    x, y = torch.randn(2, 1, 6, 5, dtype=torch.float64), torch.tensor([0, 2])
+    x, y = torch.randn(2, 2, 6, 5, dtype=torch.float64), torch.tensor([0, 2])
     with pytest.raises(RuntimeError, match=r"noise run \(channels-last\) failed.*breaks on channels-last"):
         reference(NoChannelsLast().double(), x, y, nn.CrossEntropyLoss())
