@@ -5,8 +5,8 @@ the way a bug would, and ``panel`` asks the verdict about each one: every answer
 The masks of another seed need a distributed run of their own (``parallelize(..., seed=other)``), which
 the caller makes and passes in; the rest change a run that was already made.
 
-Sabotages that pick a tensor pick one that the verdict can judge against its own size (its noise is
-below ``tol`` of it): an error that rounding alone could make cannot be told from rounding by anyone.
+Sabotages that pick a tensor pick one that the verdict can judge against its own size
+(``well_conditioned``): an error that rounding alone could make cannot be told from rounding by anyone.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from .verify import Reference, Run, verdict
+from .verify import Reference, Run, verdict, well_conditioned
 
 
 def _well_conditioned(ref: Reference, category: str, tol: float) -> dict[str, float]:
-    """Names of ``category`` tensors (param_grads or weights) with a nonzero size that rounding moves by
-    at most ``tol`` of it, with that size."""
+    """Names of ``category`` tensors (param_grads or weights) with a nonzero size that the verdict judges
+    against ``tol`` of it (``well_conditioned``), with that size."""
     source = ref.run.param_grads if category == "param_grads" else ref.run.state
     sizes = {}
     for name, t in source.items():
         if t.is_floating_point() and t.numel():
             size = t.detach().double().abs().max().item()
-            if size > 0 and ref.noise.get((category, name), 0.0) <= tol * size:
+            if size > 0 and well_conditioned(ref.noise.get((category, name), 0.0), size, tol):
                 sizes[name] = size
     return sizes
 

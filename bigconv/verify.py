@@ -10,9 +10,10 @@ parallelized model is the single-process model, not an approximation of it. Its 
 - ``not exact``: some tensor is further off than its allowance, or a gradient is missing, a shape or an
   integer differs, the replicas differ, the state dict has other keys;
 - ``ill-conditioned at this size``: nothing is further off than rounding can explain, but rounding alone
-  moves some tensor by more than ``tol`` of its size in one process, so no comparison can say it agrees
-  to ``tol``. The tensors are named with their noise; ``conditioned_size`` finds an input size at which
-  they are well conditioned (BatchNorm over 2x2 maps amplifies rounding; larger maps do not).
+  may move some tensor by more than ``tol`` of its size (``NOISE_FACTOR`` times its noise in one process
+  exceeds it), so no comparison can say it agrees to ``tol``. The tensors are named with their noise;
+  ``conditioned_size`` finds an input size at which they are well conditioned (BatchNorm over 2x2 maps
+  amplifies rounding; larger maps do not).
 
 What rounding moves a tensor by (its *noise*) is measured, not assumed: the same single-process training
 run is repeated from fresh copies of the untouched model with only the order of floating-point sums
@@ -28,9 +29,9 @@ Allowances:
 - the output, the input gradient and the losses get ``tol`` of their own size and nothing more (no noise
   floor: a model whose output rounding moves past ``tol`` cannot be called exact at this size, and a wrong
   output must never hide under a floor);
-- a parameter gradient or weight that rounding moves by at most ``tol`` of its size gets ``tol`` of its
-  size; one that rounding moves by more gets ``NOISE_FACTOR`` times its noise and makes the verdict
-  ``ill-conditioned at this size`` at best;
+- a parameter gradient or weight whose noise times ``NOISE_FACTOR`` is within ``tol`` of its size gets
+  ``tol`` of its size; any other gets ``NOISE_FACTOR`` times its noise and makes the verdict
+  ``ill-conditioned at this size`` at best (so does an output, input gradient or loss of that kind);
 - a *residue*: a parameter gradient or weight whose noise is at least ``RESIDUE_NOISE`` of its own size
   (no significant digit: the remainder of a sum that cancels exactly, such as the gradient of a bias
   before a BatchNorm, zero in exact arithmetic) and whose size is at most ``tol`` of the largest tensor of
@@ -229,8 +230,8 @@ class TensorError:
 
     ``error`` and ``scale`` are max-norms (of the difference, of the reference); ``noise`` what rounding
     alone moves the reference by (``Reference.noise``); ``rel`` = ``error / scale`` (0 where both are 0);
-    ``allowed`` the error this tensor may have; ``status``: ``ok`` (within ``tol`` of its size, which
-    rounding respects), ``residue``, ``ill-conditioned`` (within its allowance, but rounding alone moves it
+    ``allowed`` the error this tensor may have; ``status``: ``ok`` (within ``tol`` of its size, and
+    ``well_conditioned``), ``residue``, ``ill-conditioned`` (within its allowance, but rounding alone moves it
     past ``tol``), ``wrong`` or ``missing`` (one side has no such tensor).
     """
 
@@ -246,6 +247,12 @@ class TensorError:
     def as_dict(self) -> dict:
         return {"category": self.category, "tensor": self.name, "rel": self.rel, "error": self.error,
                 "scale": self.scale, "noise": self.noise, "allowed": self.allowed, "status": self.status}
+
+
+def well_conditioned(noise: float, scale: float, tol: float) -> bool:
+    """Whether a tensor can be judged against ``tol`` of its own size: the decomposition's rounding may move it
+    by up to ``NOISE_FACTOR`` times its measured noise, and that must stay within ``tol`` of its size."""
+    return NOISE_FACTOR * noise <= tol * scale
 
 
 def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float, tol: float,
@@ -265,9 +272,9 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
     if math.isnan(error):  # nan compares false with everything: it must read as the worst, not be skipped
         error = math.inf
     rel = error / scale if scale > 0 else (0.0 if error == 0 else math.inf)
-    if noise <= tol * scale or category in NEVER_FLOORED or not math.isfinite(noise):
+    well = well_conditioned(noise, scale, tol)
+    if well or category in NEVER_FLOORED or not math.isfinite(noise):
         allowed = tol * scale
-        well = noise <= tol * scale
         status = ("ok" if well else "ill-conditioned") if error <= allowed else "wrong"
     elif residue_scale is not None and noise >= RESIDUE_NOISE * scale and scale <= tol * residue_scale:
         allowed = NOISE_FACTOR * noise
@@ -316,7 +323,7 @@ def summarize(errors: Sequence[TensorError], tol: float) -> dict:
         result[key] = worst.rel if worst else 0.0
         result["worst"][key] = worst.as_dict() if worst else None
     result["tol"] = tol
-    result["ill_conditioned"] = TensorList(e.as_dict() for e in errors if e.noise > tol * e.scale
+    result["ill_conditioned"] = TensorList(e.as_dict() for e in errors if not well_conditioned(e.noise, e.scale, tol)
                                            and e.status != "residue")
     result["residues"] = TensorList(e.as_dict() for e in errors if e.status == "residue")
     result["wrong"] = TensorList(e.as_dict() for e in errors if e.status in ("wrong", "missing"))

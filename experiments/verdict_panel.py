@@ -1,6 +1,7 @@
 """The sabotage panel: errors planted in the distributed run of models that are known traps for an
 exactness check, and what the verdict says of each (``bigconv.sabotage``). Every sabotage must read
-``not exact``; every clean run ``exact`` or ``ill-conditioned at this size``.
+``not exact``; every clean run ``exact``, or ``ill-conditioned at this size`` and ``exact`` again at the
+size ``bigconv.verify.conditioned_size`` names.
 
     python -m experiments.verdict_panel                       # -> results/verdict_panel.jsonl, a table
     python -m experiments.verdict_panel --old 781082b         # also the verdict of that commit's verify.py
@@ -32,7 +33,7 @@ from bigconv.engine.dry_run import copy_model  # noqa: E402
 from bigconv.harness import cli  # noqa: E402
 from bigconv.provenance import source_commit  # noqa: E402
 from bigconv.sabotage import OTHER_SEED, SABOTAGES, panel  # noqa: E402
-from bigconv.verify import distributed_run, reference, verdict  # noqa: E402
+from bigconv.verify import ILL_CONDITIONED, conditioned_size, distributed_run, reference, verdict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,11 +105,32 @@ def measure(name: str, build, inputs, workers: int, grid, world, old=None) -> di
               "ill_conditioned": [t["tensor"] for t in clean["ill_conditioned"]],
               "raw_worst": {k: clean[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")},
               "sabotaged": panel(got, ref, tol, states, other)}
+    if clean["verdict"] == ILL_CONDITIONED:  # again at a size where one process pins every tensor down
+        record["rerun"] = rerun(model, x, y, loss_fn, grid, world, tol)
     if old is not None:
         runs = {"clean": got, **{s: plant(got, ref, tol) for s, plant in SABOTAGES.items()}, OTHER_SEED: other}
         record["old"] = old_verdicts(old, model, x, y, loss_fn, tol, runs)
     record["seconds"] = round(time.perf_counter() - t0, 1)
     return record
+
+
+def rerun(model, x, y, loss_fn, grid, world, tol) -> dict:
+    """The clean verdict at the size ``conditioned_size`` names (labels drawn anew for a dense target)."""
+    classes = int(y.max()) + 1
+
+    def target(inp):
+        if y.dim() <= 1:
+            return y
+        return torch.randint(0, classes, (inp.shape[0], *inp.shape[2:]), generator=torch.Generator().manual_seed(3))
+
+    size = conditioned_size(model, x, target, loss_fn, tol=tol)
+    if size is None:
+        return {"shape": None, "clean": None}
+    xs = torch.randn(size, dtype=x.dtype, generator=torch.Generator().manual_seed(4))
+    ys = target(xs)
+    ref = reference(model, xs, ys, loss_fn, tol=tol)
+    got, states, _ = distributed_run(copy_model(model), world, xs, ys, loss_fn, grid)
+    return {"shape": list(size), "clean": verdict(got, ref, tol, states)["verdict"]}
 
 
 def table(records: list[dict]) -> str:
@@ -119,7 +141,9 @@ def table(records: list[dict]) -> str:
         def cell(key, verdicts):
             v = verdicts.get(key)
             return "n/a" if v is None else v
-        lines.append(f"| {r['model']} | {r['clean']} | " + " | ".join(cell(n, r["sabotaged"]) for n in names) + " |")
+        clean = r["clean"] + (f" (at {'x'.join(map(str, r['rerun']['shape']))}: {r['rerun']['clean']})"
+                              if r.get("rerun") and r["rerun"]["shape"] else "")
+        lines.append(f"| {r['model']} | {clean} | " + " | ".join(cell(n, r["sabotaged"]) for n in names) + " |")
         if "old" in r:
             lines.append(f"| (old {r['old_commit']}) | {r['old']['clean']} | "
                          + " | ".join(cell(n, r["old"]) for n in names) + " |")

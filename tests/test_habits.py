@@ -3,7 +3,8 @@
 Random draws (dropout, stochastic depth, noise) are compared *bitwise in law's place*: the single
 process draws under ``bigconv.ops.random.RandomDraws(seed)``, the generator the shards use, so the
 comparison is exact; against torch's own generator the draws agree in law only. Errors are asserted
-raw (error over the tensor's own size), not floored by the perturbed runs' noise.
+raw (error over the tensor's own size; residues, zero in exact arithmetic, against their rounding noise:
+``tests/verdicts.py``).
 """
 
 from __future__ import annotations
@@ -14,25 +15,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from verdicts import assert_exact
 
 import bigconv
 from bigconv.compat import allow_torchvision_without_ops
 from bigconv.ops.random import RandomDraws
-from bigconv.verify import ERROR_KEYS, compare_training
+from bigconv.verify import compare_training
 
 TOL = 1e-9
 allow_torchvision_without_ops()  # before torchvision (and timm/smp, which import it)
-
-
-def assert_exact(r: dict, tol: float = TOL) -> None:
-    raw = {}
-    for t in r["tensors"]:
-        rel = t["error"] / t["scale"] if t["scale"] else t["error"]
-        if rel > tol:
-            raw[(t["category"], t["tensor"])] = rel
-    assert not raw, raw
-    assert all(r[k] <= tol for k in ERROR_KEYS), {k: r[k] for k in ERROR_KEYS}
-    assert r["keys_match"] and r["replicas_equal"]
 
 
 class DropPath(nn.Module):

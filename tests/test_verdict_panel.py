@@ -4,7 +4,8 @@ A verdict that cannot fail proves nothing. For each model, one reference (from t
 distributed run on a World and, for a model that draws random numbers, one more with another seed's
 draws; then each sabotage (a doubled output, a negated input gradient, every weight x1.5, a negated
 running mean, one small gradient x(1+1e-6), a lost gradient, the last loss off by 1e-8, another seed's
-masks) is judged and must read ``not exact``, and the clean run must read ``exact``. The models are the
+masks) is judged and must read ``not exact``, and the clean run must read ``exact`` (or ``ill-conditioned
+at this size`` and ``exact`` again at the size ``conditioned_size`` names). The models are the
 known traps: dropout and DropPath (timm tinynet_e; ConvNeXt-atto with layer scale 1e-6 and DropPath),
 BatchNorm on small maps (timm regnetx_002, gernet_s), an FPN on mobileone_s0 at 64x64, and plain models.
 The timm/smp ones take minutes on 2 cores and run under the ``zoo`` marker; the SPMD path has its own
@@ -35,7 +36,9 @@ def bn_net() -> nn.Module:
 
 
 def assert_panel(r: dict, batchnorm: bool, draws: bool) -> None:
-    assert r["clean"] == "exact", r
+    """The clean run exact (or ill-conditioned and exact at a larger size), every sabotage not exact."""
+    if r["clean"] != "exact":
+        assert r["clean"] == "ill-conditioned at this size" and r["rerun"]["clean"] == "exact", r
     applied = {name for name, v in r["sabotaged"].items() if v is not None}
     assert ALWAYS <= applied, r["sabotaged"]
     assert ("running mean negated" in applied) == batchnorm and (OTHER_SEED in applied) == draws, r["sabotaged"]
