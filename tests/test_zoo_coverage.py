@@ -29,16 +29,23 @@ def test_table_shows_current_verdicts_and_every_earlier_mismatch(tmp_path):
             record("timm/a", "exact", None, "2026-11-21T10:00:00"),
             record("timm/a", "exact", zc.METRIC, "2026-11-24T10:00:00"),
             record("timm/b", "exact", None, "2026-11-21T10:00:00"),
-            record("timm/c", "mismatch", zc.METRIC, "2026-11-24T11:00:00", weights=2e-6)]
+            record("timm/c", "mismatch", zc.METRIC, "2026-11-24T11:00:00", weights=2e-6),
+            {**record("timm/d", "ill-conditioned", zc.METRIC, "2026-11-26T11:00:00"), "shape": [2, 3, 64, 64],
+             "ill_conditioned_count": 3, "as_expected": True,
+             "rerun": {"shape": [2, 3, 128, 128], "status": "exact"}}]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     text = zc.table(str(path))
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| timm/")}
-    assert "| per-tensor | exact |" in rows["timm/a"]
+    assert "| verdict | exact |" in rows["timm/a"]
     assert "mismatch 2026-11-20 (old check): loss 1.0e-08" in rows["timm/a"]  # the earlier mismatch stays visible
     assert "old check: exact x1" in rows["timm/a"]
     assert "| old check | exact |" in rows["timm/b"]  # not yet re-measured: shown under the check that judged it
-    assert "| per-tensor | mismatch (expected exact) |" in rows["timm/c"] and "weights 2.0e-06 (weights.t)" in rows["timm/c"]
-    assert "1 of 2 models recorded exact" in text and "1 models not yet recorded under it" in text
+    assert "| verdict | mismatch (expected exact) |" in rows["timm/c"] and "weights 2.0e-06 (weights.t)" in rows["timm/c"]
+    # Ill-conditioned at its size, exact where conditioned_size sent it: a class of its own, never "exact".
+    assert "| verdict | ill-conditioned |" in rows["timm/d"]
+    assert "3 tensors ill-conditioned at 2x3x64x64; at 2x3x128x128: exact" in rows["timm/d"]
+    assert "1 of 3 models recorded exact, 1 ill-conditioned at their size (1 of them exact when rerun" in text
+    assert "1 models not yet recorded under it" in text
     assert "1 earlier records were not exact" in text
 
 
