@@ -9,7 +9,10 @@ constructor, float64, on its entry's worker count and grid):
   whole state dict afterwards (running statistics included) equal to a plain single process: the verdict
   ``exact`` (no ill-conditioned tensor), each raw relative error <= 1e-9 but residues (zero in exact
   arithmetic, within 10x their rounding noise: ``tests/verdicts.py``); every replica holds bit-identical
-  weights; and the state dict has the plain model's keys. A model runs as a user would write it: no layer swapped, no forward edited.
+  weights; and the state dict has the plain model's keys. Where the verdict is ``ill-conditioned at
+  this size`` (rounding alone moves a tensor past 1e-9 of its size in one process), the same holds at the
+  size ``bigconv.verify.conditioned_size`` names. A model runs as a user would write it: no layer
+  swapped, no forward edited.
 - ``expect="refused"`` (models with a genuinely non-decomposable operation: attention over all
   positions): bigconv raises a ``ValueError`` naming the operation in its dry run on the driver
   (``ParallelModel.plan``), before any forward or backward work on the workers, and the World stays
@@ -32,7 +35,7 @@ from verdicts import assert_exact
 from zoo import ZOO
 
 import bigconv
-from bigconv.verify import compare_training
+from bigconv.verify import ILL_CONDITIONED, compare_training, conditioned_size
 
 
 def _param(entry):
@@ -55,8 +58,31 @@ def test_zoo_model(world, entry):
         assert entry.match and re.search(entry.match, str(info.value)), (entry.match, str(info.value))
         assert not world.broken
         return
+    r = _compare(model, world, x, y, entry)
+    if r["verdict"] == ILL_CONDITIONED:
+        # Rounding alone moves some tensor past 1e-9 of its size at this input (BatchNorm over tiny maps): no
+        # comparison can call it exact here. Run it again where one process is well conditioned.
+        torch.manual_seed(0)
+        size = conditioned_size(entry.build().double(), x, lambda inp: _target(entry, y, inp), nn.CrossEntropyLoss())
+        assert size is not None, ("ill-conditioned, and no size up to 8x per side is well conditioned",
+                                  list(r["ill_conditioned"])[:5])
+        torch.manual_seed(0)
+        model = entry.build().double()
+        x = torch.randn(size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # as zoo_coverage
+        r = _compare(model, world, x, _target(entry, y, x), entry)
+    assert_exact(r)
+
+
+def _compare(model, world, x, y, entry) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=entry.grid)
     r.pop("net", None)
-    assert_exact(r)
+    return r
+
+
+def _target(entry, y, x):
+    """The entry's targets for an input ``x`` of another size: labels per image stay, a dense map is drawn anew."""
+    if not entry.dense:
+        return y
+    return torch.randint(0, entry.num_classes, (x.shape[0], *x.shape[2:]), generator=torch.Generator().manual_seed(5))
