@@ -16,19 +16,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from .verify import Reference, Run, verdict, well_conditioned
+from .verify import Reference, Run, negligible, verdict, well_conditioned
 
 
 def _well_conditioned(ref: Reference, category: str, tol: float) -> dict[str, float]:
-    """Names of ``category`` tensors (param_grads or weights) with a nonzero size that the verdict judges
-    against ``tol`` of it (``well_conditioned``), with that size."""
+    """Names of ``category`` tensors (param_grads or weights) that the verdict judges against ``tol`` of their
+    own size (``well_conditioned``, not ``negligible``), with that size."""
     source = ref.run.param_grads if category == "param_grads" else ref.run.state
-    sizes = {}
-    for name, t in source.items():
-        if t.is_floating_point() and t.numel():
-            size = t.detach().double().abs().max().item()
-            if size > 0 and well_conditioned(ref.noise.get((category, name), 0.0), size, tol):
-                sizes[name] = size
+    floating = {n: t for n, t in source.items() if t.is_floating_point() and t.numel()}
+    sizes = {n: t.detach().double().abs().max().item() for n, t in floating.items()}
+    largest = max(sizes.values(), default=0.0)
+    sizes = {n: s for n, s in sizes.items() if s > 0 and well_conditioned(ref.noise.get((category, n), 0.0), s, tol)
+             and not negligible(s, largest, floating[n].dtype)}
     return sizes
 
 

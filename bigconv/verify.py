@@ -37,7 +37,11 @@ Allowances:
   before a BatchNorm, zero in exact arithmetic) and whose size is at most ``tol`` of the largest tensor of
   its kind, may differ by ``NOISE_FACTOR`` times its noise and still reads exact; residues are listed.
   They are recognised only when every noise run left the output, input gradient and losses within ``tol``
-  of their size, so a noise run that is not rounding (other random masks) can never make one.
+  of their size, so a noise run that is not rounding (other random masks) can never make one. A parameter
+  gradient or weight below ``NEGLIGIBLE_ULPS`` units of roundoff of the largest tensor of its kind on both
+  sides (1.4e-14 of it in float64) is a residue too, whatever its measured noise: a sum over a batch of
+  two in reverse order adds the same two partial sums, so the noise runs can leave such a remainder
+  bit-identical where the decomposition's shard sums do not.
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ and the decomposition change the order of the same sums, so their effects agree 
 not exactly (measured over the zoo: ``results/zoo.jsonl``, ``worst_error_over_noise``)."""
 RESIDUE_NOISE = 0.1
 """A tensor that rounding moves by at least this fraction of its own size has no significant digit."""
+NEGLIGIBLE_ULPS = 64
+"""A parameter gradient or weight whose size is at most this many units of roundoff of the largest tensor of its
+kind (1.4e-14 of it in float64), on both sides, is a residue whatever its measured noise."""
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
@@ -255,10 +262,18 @@ def well_conditioned(noise: float, scale: float, tol: float) -> bool:
     return NOISE_FACTOR * noise <= tol * scale
 
 
+def negligible(scale: float, largest: float, dtype: torch.dtype) -> bool:
+    """Below ``NEGLIGIBLE_ULPS`` units of roundoff of the largest tensor of its kind: what a sum that cancels
+    leaves even where no reordering in one process moves it (with a batch of two, a reversed batch adds the
+    same two partial sums; channels-last in 3D runs the same kernels)."""
+    return scale <= NEGLIGIBLE_ULPS * torch.finfo(dtype).eps * largest
+
+
 def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float, tol: float,
-                 residue_scale: float | None = None) -> TensorError:
+                 residue_scale: float | None = None, largest: float | None = None) -> TensorError:
     """Judge ``got`` against ``ref`` (see the module docstring). ``residue_scale``: the largest size among
-    tensors of this kind where residues may be recognised, None where they may not."""
+    tensors of this kind where residues with measured noise may be recognised, None where they may not;
+    ``largest``: the largest size among tensors of this kind where negligible ones may be (None: nowhere)."""
     scale = _scale(ref)
     if got is None:  # the distributed run produced nothing where one process has a tensor (a lost gradient)
         return TensorError(category, name, math.inf, math.inf, scale, noise, 0.0, "missing")
@@ -273,7 +288,10 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
         error = math.inf
     rel = error / scale if scale > 0 else (0.0 if error == 0 else math.inf)
     well = well_conditioned(noise, scale, tol)
-    if well or category in NEVER_FLOORED or not math.isfinite(noise):
+    if largest is not None and negligible(scale, largest, ref.dtype) and negligible(_scale(got), largest, ref.dtype):
+        allowed = 2 * NEGLIGIBLE_ULPS * torch.finfo(ref.dtype).eps * largest
+        status = "residue" if error <= allowed else "wrong"
+    elif well or category in NEVER_FLOORED or not math.isfinite(noise):
         allowed = tol * scale
         status = ("ok" if well else "ill-conditioned") if error <= allowed else "wrong"
     elif residue_scale is not None and noise >= RESIDUE_NOISE * scale and scale <= tol * residue_scale:
@@ -301,8 +319,10 @@ def judge(got: Run, ref: Reference, tol: float) -> list[TensorError]:
             want, noise = torch.zeros_like(got_t), 0.0
         if key[0] == "loss" and got_t is None:
             got_t = torch.tensor(float("nan"))
-        residue_scale = largest.get(key[0]) if ref.rounding_only and key[0] not in NEVER_FLOORED else None
-        errors.append(tensor_error(*key, got_t, want, noise, tol, residue_scale))
+        floorable = key[0] not in NEVER_FLOORED
+        residue_scale = largest.get(key[0]) if ref.rounding_only and floorable else None
+        errors.append(tensor_error(*key, got_t, want, noise, tol, residue_scale, largest.get(key[0]) if floorable
+                                   else None))
     return errors
 
 
