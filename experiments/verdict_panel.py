@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/verdict_panel.jsonl")
     args = p.parse_args(argv)
     old = load_old(args.old) if args.old else None
+    commit, dirty = source_commit(str(ROOT))  # the code this process loaded, not the tree when a record is written
     models = {n: m for n, m in panel_models().items() if not args.only or args.only in n}
     records = []
     for workers in sorted({m[2] for m in models.values()}):
@@ -167,7 +168,6 @@ def main(argv=None) -> int:
                 if w != workers:
                     continue
                 r = measure(name, build, inputs, w, grid, world, old)
-                commit, dirty = source_commit(str(ROOT))
                 r.update({"old_commit": args.old, "commit": commit, "dirty": dirty, "torch": torch.__version__,
                           "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
                 records.append(r)

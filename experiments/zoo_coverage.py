@@ -148,7 +148,7 @@ def _verdict_fields(r: dict) -> dict:
                               for t in r["wrong"][:5]])}
 
 
-def run_entry(entry, world) -> dict:
+def run_entry(entry, world, commit: tuple | None = None) -> dict:
     record = _record(entry)
     record["metric"] = METRIC  # refusals too: they were made by this code, under this check
     t0 = time.perf_counter()
@@ -180,7 +180,8 @@ def run_entry(entry, world) -> dict:
     record["as_expected"] = record["status"] == entry.expect or (entry.expect == "exact" and rerun_exact)
     record["seconds"] = round(time.perf_counter() - t0, 2)
     record["torch"] = torch.__version__
-    record["commit"], record["dirty"] = source_commit()
+    # The code this process loaded (read at its start), not the tree when the record is written.
+    record["commit"], record["dirty"] = commit or source_commit()
     record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return record
 
@@ -213,6 +214,7 @@ def run(args) -> int:
         print("no zoo entry left to run", file=sys.stderr)
         return 0
     counts: dict[str, int] = {}
+    commit = source_commit()
     for workers in sorted({e.workers for e in entries}):
         world = None
         try:
@@ -222,7 +224,7 @@ def run(args) -> int:
                         world.close()
                     world = bigconv.World(workers=workers, timeout=args.timeout)
                 current.write_text(entry.name)
-                rec = run_entry(entry, world)
+                rec = run_entry(entry, world, commit)
                 with out.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
                 current.unlink()
