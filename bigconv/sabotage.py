@@ -11,12 +11,23 @@ Sabotages that pick a tensor pick one that the verdict can judge against its own
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
 
-from .verify import Reference, Run, negligible, verdict, well_conditioned
+from .engine.dry_run import copy_model
+from .verify import (
+    ILL_CONDITIONED,
+    Reference,
+    Run,
+    conditioned_size,
+    distributed_run,
+    negligible,
+    reference,
+    verdict,
+    well_conditioned,
+)
 
 
 def _well_conditioned(ref: Reference, category: str, tol: float) -> dict[str, float]:
@@ -99,18 +110,58 @@ def panel(got: Run, ref: Reference, tol: float, replica_states: Sequence[dict] |
     return out
 
 
-def run_panel(model: torch.nn.Module, world, x: torch.Tensor, y, loss_fn: Callable, grid: Sequence[int] | None = None,
-              seed: int = 0, tol: float | None = None, steps: int = 2) -> dict:
-    """The clean verdict of ``model`` on ``world`` and the verdict under every sabotage: one reference
-    (from the untouched ``model``), one distributed run, and one more with another seed where the model
-    draws random numbers."""
-    from .engine.dry_run import copy_model
-    from .verify import _tol, distributed_run, reference
+@dataclass
+class PanelRuns:
+    """What the panel judges: the reference, the distributed run (and every replica's state), and the run
+    with another seed's draws (None for a model that draws nothing)."""
 
-    tol = _tol(model, x) if tol is None else tol
-    ref = reference(model, x, y, loss_fn, steps, seed=seed, tol=tol)
-    got, states, _ = distributed_run(copy_model(model), world, x, y, loss_fn, grid, steps, seed=seed)
-    other = distributed_run(copy_model(model), world, x, y, loss_fn, grid, steps, seed=seed + 1)[0] if ref.run.drew \
-        else None
-    clean = verdict(got, ref, tol, states)
-    return {"clean": clean, "sabotaged": panel(got, ref, tol, states, other)}
+    ref: Reference
+    got: Run
+    states: list
+    other: Run | None
+
+
+def panel_runs(model: torch.nn.Module, world, x: torch.Tensor, y, loss_fn: Callable,
+               grid: Sequence[int] | None = None, tol: float = 1e-9) -> PanelRuns:
+    """One reference (from the untouched ``model``), one distributed run, and one more with another seed
+    where the model draws random numbers."""
+    ref = reference(model, x, y, loss_fn, tol=tol)
+    got, states, _ = distributed_run(copy_model(model), world, x, y, loss_fn, grid)
+    other = distributed_run(copy_model(model), world, x, y, loss_fn, grid, seed=1)[0] if ref.run.drew else None
+    return PanelRuns(ref, got, states, other)
+
+
+def run_panel(name: str, model: torch.nn.Module, world, x: torch.Tensor, y, loss_fn: Callable,
+              grid: Sequence[int], tol: float = 1e-9, runs: PanelRuns | None = None) -> dict:
+    """A JSON-ready record: the clean verdict (and, where it is ill-conditioned, the verdict again at the size
+    ``conditioned_size`` names) and the verdict under every sabotage."""
+    runs = runs or panel_runs(model, world, x, y, loss_fn, grid, tol)
+    clean = verdict(runs.got, runs.ref, tol, runs.states)
+    record = {"model": name, "shape": list(x.shape), "grid": list(grid), "draws": runs.ref.run.drew,
+              "clean": clean["verdict"], "reorderings": clean["reorderings"], "residues": len(clean["residues"]),
+              "ill_conditioned": [t["tensor"] for t in clean["ill_conditioned"]],
+              "wrong": [t["tensor"] for t in clean["wrong"]],
+              "raw_worst": {k: clean[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")},
+              "sabotaged": panel(runs.got, runs.ref, tol, runs.states, runs.other)}
+    if clean["verdict"] == ILL_CONDITIONED:  # again at a size where one process pins every tensor down
+        record["rerun"] = _rerun(model, world, x, y, loss_fn, grid, tol)
+    return record
+
+
+def _rerun(model, world, x, y, loss_fn, grid, tol) -> dict:
+    """The clean verdict at the size ``conditioned_size`` names (labels drawn anew for a dense target)."""
+    classes = int(y.max()) + 1
+
+    def target(inp):
+        if y.dim() <= 1:
+            return y
+        return torch.randint(0, classes, (inp.shape[0], *inp.shape[2:]), generator=torch.Generator().manual_seed(3))
+
+    size = conditioned_size(model, x, target, loss_fn, tol=tol)
+    if size is None:
+        return {"shape": None, "clean": None}
+    xs = torch.randn(size, dtype=x.dtype, generator=torch.Generator().manual_seed(4))
+    ys = target(xs)
+    ref = reference(model, xs, ys, loss_fn, tol=tol)
+    got, states, _ = distributed_run(copy_model(model), world, xs, ys, loss_fn, grid)
+    return {"shape": list(size), "clean": verdict(got, ref, tol, states)["verdict"]}

@@ -32,8 +32,7 @@ import torch.nn as nn  # noqa: E402
 from bigconv.engine.dry_run import copy_model  # noqa: E402
 from bigconv.harness import cli  # noqa: E402
 from bigconv.provenance import source_commit  # noqa: E402
-from bigconv.sabotage import OTHER_SEED, SABOTAGES, panel  # noqa: E402
-from bigconv.verify import ILL_CONDITIONED, conditioned_size, distributed_run, reference, verdict  # noqa: E402
+from bigconv.sabotage import OTHER_SEED, SABOTAGES, panel_runs, run_panel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,47 +89,21 @@ def old_verdicts(old, model, x, y, loss_fn, tol, runs: dict) -> dict:
 
 
 def measure(name: str, build, inputs, workers: int, grid, world, old=None) -> dict:
+    """``bigconv.sabotage.run_panel`` on one model, and ``old``'s verdicts on the same runs."""
     torch.manual_seed(0)
     model = build().double()
     x, y = inputs
     loss_fn = nn.CrossEntropyLoss()
     tol = 1e-9
     t0 = time.perf_counter()
-    ref = reference(model, x, y, loss_fn, tol=tol)
-    got, states, _ = distributed_run(copy_model(model), world, x, y, loss_fn, grid)
-    other = distributed_run(copy_model(model), world, x, y, loss_fn, grid, seed=1)[0] if ref.run.drew else None
-    clean = verdict(got, ref, tol, states)
-    record = {"model": name, "shape": list(x.shape), "workers": workers, "grid": list(grid), "draws": ref.run.drew,
-              "clean": clean["verdict"], "reorderings": clean["reorderings"], "residues": len(clean["residues"]),
-              "ill_conditioned": [t["tensor"] for t in clean["ill_conditioned"]],
-              "raw_worst": {k: clean[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")},
-              "sabotaged": panel(got, ref, tol, states, other)}
-    if clean["verdict"] == ILL_CONDITIONED:  # again at a size where one process pins every tensor down
-        record["rerun"] = rerun(model, x, y, loss_fn, grid, world, tol)
+    runs = panel_runs(model, world, x, y, loss_fn, grid, tol)
+    record = {**run_panel(name, model, world, x, y, loss_fn, grid, tol, runs), "workers": workers}
     if old is not None:
-        runs = {"clean": got, **{s: plant(got, ref, tol) for s, plant in SABOTAGES.items()}, OTHER_SEED: other}
-        record["old"] = old_verdicts(old, model, x, y, loss_fn, tol, runs)
+        got, ref = runs.got, runs.ref
+        planted = {"clean": got, **{s: plant(got, ref, tol) for s, plant in SABOTAGES.items()}, OTHER_SEED: runs.other}
+        record["old"] = old_verdicts(old, model, x, y, loss_fn, tol, planted)
     record["seconds"] = round(time.perf_counter() - t0, 1)
     return record
-
-
-def rerun(model, x, y, loss_fn, grid, world, tol) -> dict:
-    """The clean verdict at the size ``conditioned_size`` names (labels drawn anew for a dense target)."""
-    classes = int(y.max()) + 1
-
-    def target(inp):
-        if y.dim() <= 1:
-            return y
-        return torch.randint(0, classes, (inp.shape[0], *inp.shape[2:]), generator=torch.Generator().manual_seed(3))
-
-    size = conditioned_size(model, x, target, loss_fn, tol=tol)
-    if size is None:
-        return {"shape": None, "clean": None}
-    xs = torch.randn(size, dtype=x.dtype, generator=torch.Generator().manual_seed(4))
-    ys = target(xs)
-    ref = reference(model, xs, ys, loss_fn, tol=tol)
-    got, states, _ = distributed_run(copy_model(model), world, xs, ys, loss_fn, grid)
-    return {"shape": list(size), "clean": verdict(got, ref, tol, states)["verdict"]}
 
 
 def table(records: list[dict]) -> str:

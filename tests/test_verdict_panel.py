@@ -23,8 +23,7 @@ import torch
 import torch.nn as nn
 from test_habits import stochastic_net
 
-from bigconv.sabotage import OTHER_SEED, SABOTAGES
-from experiments.verdict_panel import measure, panel_models
+from bigconv.sabotage import OTHER_SEED, SABOTAGES, run_panel
 
 ALWAYS = set(SABOTAGES) - {"running mean negated"}
 """Sabotages every model has a tensor for (a running mean needs BatchNorm; another seed needs draws)."""
@@ -46,7 +45,7 @@ def assert_panel(r: dict, batchnorm: bool, draws: bool) -> None:
     assert not let_through, let_through
 
 
-def _inputs(shape, classes=3):
+def inputs(shape, classes=3):
     g = torch.Generator().manual_seed(1)
     return torch.randn(*shape, generator=g, dtype=torch.float64), torch.randint(0, classes, (shape[0],), generator=g)
 
@@ -60,24 +59,35 @@ def _inputs(shape, classes=3):
 ])
 def test_the_panel_on_small_models(world, name, build, shape, batchnorm, draws):
     if build is None:
-        build, inputs, _, grid = panel_models()[name]
+        build, (x, y), _, grid = _panel_models()[name]
     else:
-        inputs, grid = _inputs(shape), (2, 2)
-    assert_panel(measure(name, build, inputs, 4, grid, world), batchnorm, draws)
+        (x, y), grid = inputs(shape), (2, 2)
+    torch.manual_seed(0)
+    assert_panel(run_panel(name, build().double(), world, x, y, nn.CrossEntropyLoss(), grid), batchnorm, draws)
 
 
-TRAPS = {"timm/tinynet_e_droppath": (True, True), "timm/convnext_atto_droppath": (False, True),
-         "timm/regnetx_002": (True, False), "timm/gernet_s": (True, False), "smp/FPN_mobileone_s0": (True, True)}
-"""name -> (has BatchNorm, draws random numbers)."""
+TRAPS = {"timm/tinynet_e_droppath": (True, True, 4), "timm/convnext_atto_droppath": (False, True, 4),
+         "timm/regnetx_002": (True, False, 2), "timm/gernet_s": (True, False, 2),
+         "smp/FPN_mobileone_s0": (True, True, 2)}
+"""name -> (has BatchNorm, draws random numbers, workers)."""
+
+
+def _panel_models() -> dict:
+    from experiments.verdict_panel import panel_models  # not at import: SPMD ranks import this module
+
+    return panel_models()
 
 
 def _traps(workers: int) -> list[str]:
-    return sorted(n for n in TRAPS if panel_models()[n][2] == workers)
+    return sorted(n for n, (_, _, w) in TRAPS.items() if w == workers)
 
 
 def _trap_panel(world, name):
-    build, inputs, workers, grid = panel_models()[name]
-    assert_panel(measure(name, build, inputs, workers, grid, world), *TRAPS[name])
+    build, (x, y), workers, grid = _panel_models()[name]
+    batchnorm, draws, expected_workers = TRAPS[name]
+    assert workers == expected_workers
+    torch.manual_seed(0)
+    assert_panel(run_panel(name, build().double(), world, x, y, nn.CrossEntropyLoss(), grid), batchnorm, draws)
 
 
 @pytest.mark.zoo
