@@ -21,6 +21,7 @@ from .executor import ShardExecutor
 from ..geometry.boxes import all_coords, shard_box
 from ..ops.shards import ModulePath, global_shape, global_size, mark, tree_flatten
 from ..ops.mode import ShardMode
+from ..ops.sync_norm import adopt as adopt_sync_batchnorm
 from ..transport import Mailbox, WorkerFailure, WorkerRuntime
 from ..transport.rpc import RpcLink
 
@@ -51,7 +52,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     """The model on meta tensors; scalar buffers stay real, because forward code may read them
     (BatchNorm with momentum=None divides by ``num_batches_tracked``), and on the CPU, where a
     scalar joins tensors of any device (a CUDA model's would sit on CUDA beside meta activations)."""
-    meta = copy_model(model)
+    meta = adopt_sync_batchnorm(copy_model(model))  # what the workers run (bigconv.ops.sync_norm)
     scalars = {name: buf.cpu() for name, buf in meta.named_buffers() if buf.dim() == 0}
     meta.to("meta")
     for name, buf in scalars.items():
