@@ -13,6 +13,7 @@ import copy
 from typing import Callable
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 import bigconv
 
@@ -31,9 +32,19 @@ def leaves(tree, prefix: str = "out") -> dict[str, torch.Tensor]:
     return found
 
 
+class OneProcessSyncBatchNorm(torch.nn.SyncBatchNorm):
+    """SyncBatchNorm in one process (world size 1): BatchNorm. An SPMD rank computing the reference has
+    a process group, under which SyncBatchNorm's own forward would refuse CPU tensors."""
+
+    forward = _BatchNorm.forward
+
+
 def single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable) -> dict[str, torch.Tensor]:
     """One process: output, input and parameter gradients, then ``STEPS`` SGD-momentum steps."""
     model = copy.deepcopy(model)
+    for m in model.modules():
+        if isinstance(m, torch.nn.SyncBatchNorm):
+            m.__class__ = OneProcessSyncBatchNorm
     found: dict = {}
     with torch.no_grad():
         found.update(leaves(model(x)))

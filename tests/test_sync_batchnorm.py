@@ -17,15 +17,7 @@ import torch.nn as nn
 from bigconv.engine.dry_run import meta_copy
 from bigconv.ops.sync_norm import ShardedSyncBatchNorm, adopt
 from exactness import assert_exact, compare
-
-
-def sync_bn_net() -> nn.Module:
-    """No bias before a BatchNorm: its gradient is 0 in exact arithmetic, a rounding residue on both sides."""
-    net = nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
-    return nn.SyncBatchNorm.convert_sync_batchnorm(net).double()
+from issue37_models import sync_bn_net
 
 
 @pytest.mark.world(4)
