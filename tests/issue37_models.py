@@ -139,3 +139,32 @@ def case(name: str, seed: int = 0, batch: int | None = None):
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     return model, x, targets(shape[0], shape[2], shape[3], g), loss
+
+
+class RollNet(nn.Module):
+    """A convolution, ``torch.roll`` of the map (channels-last, as Swin rolls it, with ``channels_last``),
+    another convolution: the roll's exchange sits between two halos, forward and backward."""
+
+    def __init__(self, shifts, dims, channels_last: bool = False, spatial: int = 2) -> None:
+        super().__init__()
+        conv = nn.Conv2d if spatial == 2 else nn.Conv3d
+        self.shifts, self.dims, self.channels_last = shifts, dims, channels_last
+        self.a, self.b = conv(1, 3, 3, padding=1), conv(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.channels_last:
+            h = h.movedim(1, -1)
+        h = torch.roll(h, self.shifts, self.dims)
+        if self.channels_last:
+            h = h.movedim(-1, 1)
+        return self.b(h)
+
+
+def roll_case(shifts, dims, channels_last=False, shape=(2, 1, 11, 9), seed: int = 0):
+    torch.manual_seed(seed)
+    model = RollNet(shifts, dims, channels_last, len(shape) - 2).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    y = torch.randn(shape[0], 2, *shape[2:], generator=g, dtype=torch.float64)
+    return model, x, y, nn.MSELoss()

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import bigconv
 from exactness import compare
-from issue37_models import case, sync_bn_net
+from issue37_models import case, roll_case, sync_bn_net
 
 
 def _outputs(name: str, grid, replicas: int = 1, batch: int | None = None):
@@ -32,7 +32,17 @@ def _sync_bn(grid, replicas: int):
     return run
 
 
+def _roll(grid, replicas: int = 1, **kw):
+    def run(world):
+        model, x, y, loss = roll_case(**kw)
+        return compare(model, world, x, y, loss, grid=grid, replicas=replicas)
+    return run
+
+
 CASES = {
+    "roll/channels-last/(2,2)": _roll((2, 2), shifts=(-3, -3), dims=(1, 2), channels_last=True),
+    "roll/3d/(1,2,2)": _roll((1, 2, 2), shifts=(1, -6, 4), dims=(2, 3, 4), shape=(2, 1, 5, 9, 7)),
+    "roll/R2/(2,1)": _roll((2, 1), 2, shifts=(7, -2), dims=(2, 3), shape=(4, 1, 11, 9)),
     "syncbn/(2,2)": _sync_bn((2, 2), 1),
     "syncbn/R2/(2,1)": _sync_bn((2, 1), 2),
     "deep-supervision/R2/(1,2)": _outputs("deep-supervision", (1, 2), 2, batch=4),
