@@ -168,3 +168,30 @@ def roll_case(shifts, dims, channels_last=False, shape=(2, 1, 11, 9), seed: int 
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     y = torch.randn(shape[0], 2, *shape[2:], generator=g, dtype=torch.float64)
     return model, x, y, nn.MSELoss()
+
+
+def tiny_swin(v2: bool = False) -> nn.Module:
+    """torchvision's Swin (v1 or v2) at a test's size: 4x4 patches, windows of 2, two stages."""
+    from torchvision.models.swin_transformer import (
+        PatchMergingV2, SwinTransformer, SwinTransformerBlockV2)
+
+    extra = dict(block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2) if v2 else {}
+    return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[2, 2],
+                           stochastic_depth_prob=0.0, num_classes=3, **extra)
+
+
+class TimmAttention(nn.Module):
+    """timm's bottleneck (global MHSA, botnet's) or halo attention (halonet's) between convolutions."""
+
+    def __init__(self, kind: str, c: int = 8) -> None:
+        super().__init__()
+        from timm.layers.bottleneck_attn import BottleneckAttn
+        from timm.layers.halo_attn import HaloAttn
+
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, stride=2, padding=1), nn.GroupNorm(2, c), nn.ReLU())
+        self.attn = (BottleneckAttn(c, c, feat_size=(6, 6), num_heads=2) if kind == "bottleneck"
+                     else HaloAttn(c, c, feat_size=(6, 6), block_size=2, halo_size=1, num_heads=2))
+        self.head = nn.Sequential(nn.Conv2d(c, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    def forward(self, x):
+        return self.head(self.attn(self.stem(x)))

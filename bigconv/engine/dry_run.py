@@ -24,6 +24,7 @@ from ..geometry.boxes import all_coords, shard_box
 from ..ops.shards import ModulePath, global_shape, global_size, mark, tree_flatten
 from ..ops.mode import ShardMode
 from ..ops.sync_norm import adopt as adopt_sync_batchnorm
+from ..ops import whole
 from ..transport import Mailbox, WorkerFailure, WorkerRuntime
 from ..transport.rpc import RpcLink
 
@@ -154,6 +155,7 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
         rt.link = RpcLink(rt)  # delivers into the other shards' mailboxes, in this process
         model = copy.deepcopy(meta).train(training)
         path = ModulePath(model)
+        whole.install(model)  # after the path's hooks, as on the workers
         if index == 0:
             _record_shapes(model, planned)
         box = shard_box(spatial, grid, coords[index])
