@@ -39,7 +39,24 @@ def _roll(grid, replicas: int = 1, **kw):
     return run
 
 
+def _held(kind: str, grid, replicas: int = 1, batch: int = 2):
+    def run(world):
+        import test_hold_whole as th
+
+        torch.manual_seed(0)
+        model = th._swin(False) if kind == "swin" else th._timm(kind)
+        shape = (batch, 3, 36, 28) if kind == "swin" else (batch, 1, 12, 12)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (batch,), generator=g)
+        return compare(model, world, x, y, nn.CrossEntropyLoss(), grid=grid, replicas=replicas)
+    return run
+
+
 CASES = {
+    "held/swin/(2,2)": _held("swin", (2, 2)),
+    "held/halo/R2/(2,1)": _held("halo", (2, 1), 2, batch=4),
+    "held/bottleneck/(1,4)": _held("bottleneck", (1, 4)),
     "roll/channels-last/(2,2)": _roll((2, 2), shifts=(-3, -3), dims=(1, 2), channels_last=True),
     "roll/3d/(1,2,2)": _roll((1, 2, 2), shifts=(1, -6, 4), dims=(2, 3, 4), shape=(2, 1, 5, 9, 7)),
     "roll/R2/(2,1)": _roll((2, 1), 2, shifts=(7, -2), dims=(2, 3), shape=(4, 1, 11, 9)),

@@ -1,4 +1,4 @@
-"""SyncBatchNorm, several outputs and torch.roll in the SPMD mode, against one process (issue 37).
+"""SyncBatchNorm, several outputs, torch.roll and modules held whole in the SPMD mode, against one process (issue 37).
 
 One spawn of 4 gloo ranks runs every case of ``tests/spmd_issue37.py`` (hard timeout); each test then
 checks its case on every rank: every output, the input gradient, every parameter gradient, the
@@ -6,7 +6,7 @@ losses and every weight after two SGD steps within 1e-9 of one process in float6
 own size, and replicas equal. Cases with ``R2`` add data-parallel replicas: SyncBatchNorm's
 statistics then span them (``bigconv.ops.norm.whole_stats``), a replicated output joins the
 replicas' images (``SpmdModel._whole_batch_head``). A failure points at
-``SpmdModel._structured_loss`` / ``__call__``, ``bigconv.ops.sync_norm`` or ``bigconv.ops.roll`` (3D, channels-last).
+``SpmdModel._structured_loss`` / ``__call__``, ``bigconv.ops.sync_norm``, ``bigconv.ops.roll`` (3D, channels-last) or ``bigconv.ops.whole``.
 """
 
 from __future__ import annotations
