@@ -76,3 +76,24 @@ def test_swin_unetr_2d_encoder_held_whole(world):
 def test_window_attention_refused_with_the_fix(refused_before_remote_work):
     refused_before_remote_work(tiny_swin().double(), ["ShiftedWindowAttention", "bigconv.hold_whole(model, "
                                                       "ShiftedWindowAttention)"], shape=(2, 3, 32, 32))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_holding_a_module_given_flattened_positions_refused(refused_before_remote_work):
+    """Flattened positions are in each shard's own order: a held module would silently mix them up."""
+
+    class Tokens(nn.Module):
+        def forward(self, t):
+            return t.softmax(-1)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.tokens = nn.Conv2d(1, 2, 3, padding=1), Tokens()
+
+        def forward(self, x):
+            return self.tokens(self.conv(x).flatten(2)).sum(-1)
+
+    refused_before_remote_work(bigconv.hold_whole(Net(), Tokens), ["'tokens' (Tokens)", "positions flattened",
+                                                                  "one level up"])

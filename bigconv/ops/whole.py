@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from .mode import active_mode
-from .shards import REPLICATED_ATTR, global_shape, mark, trailing, tree_flatten
+from .shards import REPLICATED_ATTR, UnsupportedOperation, global_shape, mark, positions, trailing, tree_flatten
 
 HOLD_ATTR = "_bigconv_hold_whole"
 """Set on a module ``hold_whole`` marked (travels with the model to the workers)."""
@@ -69,7 +69,12 @@ def _enter(module: nn.Module, args, kwargs):
     if mode.held:  # inside a held module already: its inputs are whole
         mode.held.append(None)
         return None
-    sharded = [t for t in tree_flatten((args, kwargs))[0] if global_shape(t) is not None]
+    leaves = tree_flatten((args, kwargs))[0]
+    if any(positions(t) is not None for t in leaves):
+        raise UnsupportedOperation(
+            f"bigconv cannot hold {mode.where()} whole: it is given an image's positions flattened into one dim, "
+            "which each shard holds in its own order. Hold the module that flattens them instead (one level up)")
+    sharded = [t for t in leaves if global_shape(t) is not None]
     if not sharded:
         mode.held.append(None)
         return None
