@@ -216,8 +216,9 @@ class ParallelModel:
         if not (is_source_batch(x) or is_source_batch(y)):
             return
         plan = self.plan(x)
-        reads = [[a[3], a[5]] for a in self._shard_args(plan, x, loss_fn, y if is_source_batch(y) else None,
-                                                        grad=False)]
+        # Target sources need one dense output (train_step says so); several outputs read only x ahead.
+        y_reads = y if is_source_batch(y) and plan.out_shape is not None else None
+        reads = [[a[3], a[5]] for a in self._shard_args(plan, x, loss_fn, y_reads, grad=False)]
         reads = [[r for r in pair if isinstance(r, ShardRead)] for pair in reads]
         self.world.check_usable()
         futures = [rpc.rpc_async(name, worker.prefetch, args=(r,), timeout=self.world.rpc_timeout)
