@@ -113,7 +113,8 @@ def check_structured_target(x, y, loss_fn: Callable, outs) -> None:
     n = len(x) if isinstance(x, (list, tuple)) else x.shape[0]
     for t in pytree.tree_leaves(y):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"y must hold tensors of targets, got {type(t).__name__}; wrap them with torch.tensor(...)")
+            raise ValueError(f"y must hold tensors of targets, got {type(t).__name__}; "
+                             "wrap them with torch.tensor(...)")
         if t.dim() >= 1 and t.shape[0] != n:
             raise ValueError(f"x holds {n} images but a target of y holds {t.shape[0]}; pass one target per image")
     shapes = pytree.tree_map(lambda t: tuple(t.shape), outs)

@@ -6,7 +6,8 @@ losses and every weight after two SGD steps within 1e-9 of one process in float6
 own size, and replicas equal. Cases with ``R2`` add data-parallel replicas: SyncBatchNorm's
 statistics then span them (``bigconv.ops.norm.whole_stats``), a replicated output joins the
 replicas' images (``SpmdModel._whole_batch_head``). A failure points at
-``SpmdModel._structured_loss`` / ``__call__``, ``bigconv.ops.sync_norm``, ``bigconv.ops.roll`` (3D, channels-last) or ``bigconv.ops.whole``.
+``SpmdModel._structured_loss`` / ``__call__``, ``bigconv.ops.sync_norm``, ``bigconv.ops.roll`` (3D,
+channels-last) or ``bigconv.ops.whole``.
 """
 
 from __future__ import annotations

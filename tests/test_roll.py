@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-import bigconv
 from bigconv.geometry.index_maps import Roll
 from exactness import assert_exact, compare
 from issue37_models import RollNet, roll_case

@@ -12,7 +12,6 @@ workers' backward through several outputs (``Replica.backward``). SPMD: ``test_i
 from __future__ import annotations
 
 import pytest
-import torch
 
 import bigconv
 from exactness import assert_exact, compare

@@ -190,7 +190,8 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
     if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
         kinds = sorted({type(t).__name__ for t in leaves} - {"Tensor"}) or ["nothing"]
         raise ValueError(f"the model returns {type(out).__name__} holding {', '.join(kinds)}; bigconv supports a "
-                         "tensor, or a list, tuple or dict of tensors (return only the tensors, e.g. drop None entries)")
+                         "tensor, or a list, tuple or dict of tensors (return only the tensors, e.g. drop None "
+                         "entries)")
     return DryRunResult(None, (), tuple(_output_shapes(t, grid) for t in leaves), spec)
 
 
