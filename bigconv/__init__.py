@@ -10,10 +10,11 @@ shard-step every front end runs) -> ``runtime`` (processes, ``World``) -> the fr
 from .compat import allow_torchvision_without_ops
 from .parallel import ParallelModel, parallelize
 from .ops.shards import UnsupportedOperation
+from .ops.whole import hold_whole
 from .transport import WorkerFailure
 from .runtime.world import World
 
-__all__ = ["World", "parallelize", "ParallelModel", "UnsupportedOperation", "WorkerFailure"]
+__all__ = ["World", "parallelize", "ParallelModel", "UnsupportedOperation", "WorkerFailure", "hold_whole"]
 __version__ = "0.1.0"
 
 # torchvision's CUDA wheel beside a CPU torch cannot load its compiled ops, and then `import torchvision`

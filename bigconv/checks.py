@@ -103,6 +103,32 @@ def _check_loss_on_meta(y: torch.Tensor, loss_fn: Callable, out_shape: tuple[int
         )
 
 
+def check_structured_target(x, y, loss_fn: Callable, outs) -> None:
+    """Targets and loss of a model with several outputs: ``outs`` is the output's structure of meta
+    tensors of the full shapes; ``y`` a tensor or any structure of tensors, one item per image."""
+    import torch.utils._pytree as pytree
+
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}")
+    n = len(x) if isinstance(x, (list, tuple)) else x.shape[0]
+    for t in pytree.tree_leaves(y):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"y must hold tensors of targets, got {type(t).__name__}; "
+                             "wrap them with torch.tensor(...)")
+        if t.dim() >= 1 and t.shape[0] != n:
+            raise ValueError(f"x holds {n} images but a target of y holds {t.shape[0]}; pass one target per image")
+    shapes = pytree.tree_map(lambda t: tuple(t.shape), outs)
+    try:
+        loss = loss_fn(outs, pytree.tree_map(lambda t: t.to("meta"), y))
+    except Exception as exc:  # a loss that reads values cannot be judged on shapes; the real run will tell
+        if "meta" in str(exc).lower() or isinstance(exc, NotImplementedError):
+            return
+        raise ValueError(f"loss_fn cannot take the model's outputs of shapes {shapes} with these targets "
+                         f"({type(exc).__name__}: {exc}); give targets of the shapes the loss expects") from exc
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ValueError("loss_fn must return a scalar tensor; use reduction='mean' or 'sum' (or call .mean() on it)")
+
+
 def check_optimizer_class(cls) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")

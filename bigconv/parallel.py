@@ -132,14 +132,23 @@ class ParallelModel:
         call, grad = args[0][0], args[0][6]
         outs = self._wait(self._launch(worker.keep_forward, [a[:4] + (grad,) for a in args]),
                           f"forward of step {call}")
-        leaves = [o.requires_grad_(True) for o in (outs if plan.out_shape is not None else outs[:1])]
-        whole = join_shards(leaves, plan.grid) if plan.out_shape is not None else leaves[0]
+        per_worker = outs if plan.several else [[o] for o in outs]  # each worker's output tensors
+        # A dense output is joined from every worker's shard; a replicated one is worker 0's copy (the
+        # others' copies count once: they get no gradient, i.e. zeros).
+        parts = [[w[i] if w[i] is None or not w[i].is_floating_point() else w[i].requires_grad_(True)
+                  for w in (per_worker if shape is not None else per_worker[:1])]
+                 for i, (shape, _) in enumerate(plan.leaf_shapes())]
+        whole = plan.rebuild([join_shards(p, plan.grid) if shape is not None else p[0]
+                              for p, (shape, _) in zip(parts, plan.leaf_shapes())])
         loss = check_scalar(loss_fn(whole, y))
-        if loss.requires_grad:
-            grads = list(torch.autograd.grad(loss, leaves, allow_unused=True))
-        else:
-            grads = [None] * len(leaves)
-        grads += [None] * (self.world.workers - len(grads))  # the copies of a replicated head count once
+        leaves = [(i, w, t) for i, p in enumerate(parts) for w, t in enumerate(p) if t is not None and t.requires_grad]
+        found = torch.autograd.grad(loss, [t for *_, t in leaves], allow_unused=True) if loss.requires_grad and \
+            leaves else [None] * len(leaves)
+        grads: list = [[None] * len(parts) for _ in range(self.world.workers)]
+        for (i, w, _), g in zip(leaves, found):
+            grads[w][i] = g
+        if not plan.several:  # one output: the gradient itself, as the workers have always received it
+            grads = [g[0] for g in grads]
         what = f"backward of call {call}" if gradients else f"backward and optimizer step {call}"
         results = self._wait(self._launch(worker.backward, [(g, not gradients, gradients) for g in grads]), what)
         return loss.detach(), results
@@ -151,7 +160,7 @@ class ParallelModel:
         by layer, that the distributed backward pass is the single-process one.
         """
         plan = self.plan(x)
-        checks.check_target(x, y, loss_fn, plan.out_full_shape)
+        self.planner.check_loss(plan, x, y, loss_fn)
         args = self._shard_args(plan, x, None, None, grad="input")
         if self.transport == "p2p":
             loss, parts = self._loss_on_driver(plan, args, y, loss_fn, gradients=True)
@@ -182,6 +191,9 @@ class ParallelModel:
         from .data import outputs
 
         plan = self.plan(x)
+        if plan.several:
+            raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
+                             "use net(x) for them, or predict with a wrapper returning the one map to write")
         if plan.out_shape is None:
             raise ValueError("predict writes a dense map, but this model's output is one vector per image "
                              "(replicated after pooling); use net(x) for it")
@@ -204,8 +216,9 @@ class ParallelModel:
         if not (is_source_batch(x) or is_source_batch(y)):
             return
         plan = self.plan(x)
-        reads = [[a[3], a[5]] for a in self._shard_args(plan, x, loss_fn, y if is_source_batch(y) else None,
-                                                        grad=False)]
+        # Target sources need one dense output (train_step says so); several outputs read only x ahead.
+        y_reads = y if is_source_batch(y) and plan.out_shape is not None else None
+        reads = [[a[3], a[5]] for a in self._shard_args(plan, x, loss_fn, y_reads, grad=False)]
         reads = [[r for r in pair if isinstance(r, ShardRead)] for pair in reads]
         self.world.check_usable()
         futures = [rpc.rpc_async(name, worker.prefetch, args=(r,), timeout=self.world.rpc_timeout)
@@ -245,10 +258,18 @@ class ParallelModel:
                                      "process group cannot resume after that (p2p transport)")
             raise
 
-    def _assemble(self, plan: Plan, results: list, grad: bool) -> torch.Tensor:
-        if plan.out_shape is not None:
-            return join_shards(results, plan.grid)
-        return _PickFirst.apply(*results) if grad else results[0]
+    def _assemble(self, plan: Plan, results: list, grad: bool):
+        """The whole output from the workers' results: each dense output joined from its shards, each
+        replicated one worker 0's copy (on ``rpc`` with ``grad``, every copy on the loss's graph)."""
+        per_worker = results if plan.several else [[r] for r in results]
+        joined = []
+        for i, (shape, _) in enumerate(plan.leaf_shapes()):
+            copies = [w[i] for w in per_worker]
+            if shape is not None:
+                joined.append(join_shards(copies, plan.grid))
+            else:
+                joined.append(_PickFirst.apply(*copies) if grad else copies[0])
+        return plan.rebuild(joined)
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

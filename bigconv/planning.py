@@ -8,10 +8,11 @@ hold one, so bad input raises the same ``ValueError`` in both, before a message 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from . import checks, losses, saving
 from .data.sources import SourceBatch, is_source_batch, target_stand_in
@@ -30,6 +31,28 @@ class Plan:
     out_shape: tuple[int, ...] | None
     """Global spatial shape of a sharded output; None when the output is replicated (a head)."""
     out_full_shape: tuple[int, ...]
+    outputs: tuple = ()
+    """Several outputs: each one's ``(out_shape, out_full_shape)`` in the order of ``spec``; empty for one
+    tensor (then ``out_shape`` and ``out_full_shape`` describe it)."""
+    spec: Any = None
+    """The structure of several outputs (list, tuple, dict; a ``torch.utils._pytree`` spec), else None."""
+
+    @property
+    def several(self) -> bool:
+        return self.spec is not None
+
+    def leaf_shapes(self) -> tuple:
+        """``(out_shape, out_full_shape)`` of each output tensor: one for a single tensor."""
+        return self.outputs if self.several else ((self.out_shape, self.out_full_shape),)
+
+    def rebuild(self, leaves: list) -> Any:
+        """The model's output structure around ``leaves`` (one tensor: the tensor)."""
+        return pytree.tree_unflatten(list(leaves), self.spec) if self.several else leaves[0]
+
+
+def output_leaves(out: Any) -> list:
+    """The tensors of a model's output, in the order of its plan's ``outputs`` (a tensor: itself)."""
+    return [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
 
 
 class Planner:
@@ -84,12 +107,18 @@ class Planner:
                 f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return Plan(grid, shape, result.out_shape, result.out_full_shape)
+        return Plan(grid, shape, result.out_shape, result.out_full_shape, result.outputs, result.spec)
 
     @staticmethod
     def per_shard_loss(plan: Plan, x, y, loss_fn: Callable) -> bool:
         """Check the targets (before remote work); whether the loss is computed shard by shard."""
         y_sources = is_source_batch(y)
+        if plan.several:  # a loss over the structure, on the outputs joined whole (as a non-dense loss is)
+            if y_sources:
+                raise ValueError("targets given as sources are read shard by shard, which needs one dense output; "
+                                 f"this model returns {len(plan.outputs)} outputs: pass y as tensors")
+            Planner.check_loss(plan, x, y, loss_fn)
+            return False
         y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
         checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
         dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
@@ -101,6 +130,16 @@ class Planner:
                 f"targets of the output's shape {plan.out_full_shape}; otherwise pass y as a tensor"
             )
         return dense
+
+    @staticmethod
+    def check_loss(plan: Plan, x, y, loss_fn: Callable) -> None:
+        """Targets and loss for a loss computed on the whole output (``gradients``), before remote work."""
+        if plan.several:
+            dtype = x.dtype if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else torch.float32
+            outs = plan.rebuild([torch.empty(full, dtype=dtype, device="meta") for _, full in plan.outputs])
+            checks.check_structured_target(x, y, loss_fn, outs)
+        else:
+            checks.check_target(x, y, loss_fn, plan.out_full_shape)
 
     def check_checkpoint(self, ck: dict, optimizer_class: str | None, path: str) -> None:
         """A checkpoint fits this model and its optimizer (before anything changes)."""

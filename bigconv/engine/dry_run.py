@@ -12,15 +12,19 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .executor import ShardExecutor
 from ..geometry.boxes import all_coords, shard_box
 from ..ops.shards import ModulePath, global_shape, global_size, mark, tree_flatten
 from ..ops.mode import ShardMode
+from ..ops.sync_norm import adopt as adopt_sync_batchnorm
+from ..ops import whole
 from ..transport import Mailbox, WorkerFailure, WorkerRuntime
 from ..transport.rpc import RpcLink
 
@@ -33,6 +37,11 @@ class DryRunResult:
     out_shape: tuple[int, ...] | None
     """Global spatial shape of a sharded output; None when the output is replicated (a head)."""
     out_full_shape: tuple[int, ...]
+    outputs: tuple = ()
+    """Several outputs (a list, tuple or dict of tensors): each one's ``(out_shape, out_full_shape)``, in
+    the order of ``spec``; empty for one tensor."""
+    spec: Any = None
+    """The structure of several outputs (a ``torch.utils._pytree`` spec); None for one tensor."""
 
 
 def copy_model(model: nn.Module) -> nn.Module:
@@ -51,7 +60,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     """The model on meta tensors; scalar buffers stay real, because forward code may read them
     (BatchNorm with momentum=None divides by ``num_batches_tracked``), and on the CPU, where a
     scalar joins tensors of any device (a CUDA model's would sit on CUDA beside meta activations)."""
-    meta = copy_model(model)
+    meta = adopt_sync_batchnorm(copy_model(model))  # what the workers run (bigconv.ops.sync_norm)
     scalars = {name: buf.cpu() for name, buf in meta.named_buffers() if buf.dim() == 0}
     meta.to("meta")
     for name, buf in scalars.items():
@@ -146,6 +155,7 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
         rt.link = RpcLink(rt)  # delivers into the other shards' mailboxes, in this process
         model = copy.deepcopy(meta).train(training)
         path = ModulePath(model)
+        whole.install(model)  # after the path's hooks, as on the workers
         if index == 0:
             _record_shapes(model, planned)
         box = shard_box(spatial, grid, coords[index])
@@ -173,10 +183,20 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
         raise first
     check_shapes(meta, planned, x_shape, dtype, training)
     out = outs[0]
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"the model returns {type(out).__name__}; bigconv supports one output tensor "
-                         "(wrap the model to return the tensor, e.g. model(x)['out'])")
+    if isinstance(out, torch.Tensor):
+        return DryRunResult(*_output_shapes(out, grid))
+    # Several outputs (deep supervision, a dict of heads): each a dense map or a replicated vector.
+    leaves, spec = pytree.tree_flatten(out)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        kinds = sorted({type(t).__name__ for t in leaves} - {"Tensor"}) or ["nothing"]
+        raise ValueError(f"the model returns {type(out).__name__} holding {', '.join(kinds)}; bigconv supports a "
+                         "tensor, or a list, tuple or dict of tensors (return only the tensors, e.g. drop None "
+                         "entries)")
+    return DryRunResult(None, (), tuple(_output_shapes(t, grid) for t in leaves), spec)
+
+
+def _output_shapes(out: torch.Tensor, grid: tuple[int, ...]) -> tuple:
     shape = global_shape(out)
     if shape is None:
-        return DryRunResult(None, tuple(out.shape))
-    return DryRunResult(shape, tuple(global_size(out, len(grid))))
+        return None, tuple(out.shape)
+    return shape, tuple(global_size(out, len(grid)))

@@ -22,6 +22,8 @@ from .. import losses, saving
 from ..ops.mode import ShardMode
 from ..ops.random import RandomDraws
 from ..ops.shards import ModulePath, mark
+from ..ops.sync_norm import adopt as adopt_sync_batchnorm
+from ..ops import whole
 from ..transport import WorkerRuntime, check_wire
 from .buckets import GradBuckets
 from .executor import ShardExecutor
@@ -35,8 +37,10 @@ class ShardEngine:
         every shard; a data-parallel replica mixes its number in, its images being other images)."""
         self.rt = rt
         self.random = RandomDraws(seed, stream=getattr(rt, "replica", 0) or 0)
-        self.model = model.to(rt.device)
+        # SyncBatchNorm's own forward refuses CPU shards and syncs over the wrong group: bigconv's rule instead
+        self.model = adopt_sync_batchnorm(model.to(rt.device))
         self.path = ModulePath(self.model)
+        whole.install(self.model)  # after the path's hooks: modules held whole (bigconv.ops.whole)
         # torch.compile of the whole shard forward: dynamo compiles what it can trace and runs the rest
         # (the ShardMode's rules, halo exchanges) eagerly; the module, its names and hooks stay the plain one.
         self.run = torch.compile(self.model) if compile else self.model

@@ -91,6 +91,26 @@ class PadMap:
         return [(src.tolist(), None)]
 
 
+@dataclass(frozen=True)
+class Roll:
+    """One dim of ``torch.roll`` by ``shift``: output ``o`` is input ``(o - shift) mod n``.
+
+    On shards this is a neighbour exchange of ``|shift|`` positions (more neighbours when the shift
+    exceeds a shard), with the wrap-around between the first and last shards, exact both ways: the
+    backward of a gather of inputs is the scatter-add of their gradients.
+    """
+
+    n_in: int
+    shift: int
+
+    @property
+    def n_out(self) -> int:
+        return self.n_in
+
+    def taps(self, out: tuple[int, int]) -> Taps:
+        return [(np.mod(np.arange(out[0], out[1]) - self.shift, self.n_in).tolist(), None)]
+
+
 def needed(taps: Taps) -> list[int]:
     """The sorted distinct inputs a list of taps reads."""
     return sorted({i for idx, _ in taps for i in idx})

@@ -60,6 +60,9 @@ class ShardMode(TorchFunctionMode):
         self.path = path
         self.random = random or RandomDraws(0).next_forward()
         """This forward's random draws, the same on every shard (``bigconv.ops.random``)."""
+        self.held: list = []
+        """Calls of modules held whole (``bigconv.ops.whole``) under way: while one is, every torch call
+        runs as it is, on whole tensors."""
         self.known: set[tuple[int, ...]] = set(known or ())
         """Global spatial shapes of the sharded tensors this forward has seen: a factory or an
         upsampling asked for one of them builds a sharded tensor."""
@@ -83,14 +86,25 @@ class ShardMode(TorchFunctionMode):
 
     def unsupported(self, func: Callable, reason: str, fix: str) -> UnsupportedOperation:
         return UnsupportedOperation(
-            f"bigconv cannot decompose {op_name(func)} in {self.where()}: {reason}. {fix}"
+            f"bigconv cannot decompose {op_name(func)} in {self.where()}: {reason}. {fix.rstrip('.')}{self.hold_fix()}"
         )
+
+    def hold_fix(self) -> str:
+        """The way out that needs no change to the model: hold the refusing module whole (``ops.whole``)."""
+        stack = self.path.stack if self.path else []
+        if len(stack) < 2:  # the root module: holding it whole would be one process's run on every worker
+            return ""
+        kind = stack[-1].rsplit("(", 1)[-1].rstrip(")")
+        return (f". Or compute this module whole on every worker (exact; the whole map's memory and compute there, "
+                f"fine for small deep maps): bigconv.hold_whole(model, {kind}) before parallelize")
 
     # Under torch.compile the rules run eagerly: they exchange halos and tag tensors with Python
     # attributes, which dynamo cannot trace (it fails inside them rather than breaking the graph).
     @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.held:  # inside a module held whole: its tensors are whole, not shards
+            return func(*args, **kwargs)
         leaves = tree_flatten((args, kwargs))[0]
         shapes, replicated, flat = set(), False, False
         for t in leaves:

@@ -43,9 +43,17 @@ def spatial_slices(mode: ShardMode, func, index: tuple, spatial: list[int]) -> d
 def crop(mode: ShardMode, func, x: torch.Tensor, slices: Sequence[slice]) -> torch.Tensor:
     """``x[..., *slices]`` over the spatial dims of sharded ``x`` (which must be trailing)."""
     shape = global_shape(x)
-    if mode.layout(x) != trailing(mode.dims):
-        raise mode.unsupported(func, "it slices the spatial dims of a permuted (channels-last) view",
-                               "Slice before permuting, or permute back to (N, C, *spatial) first")
+    layout = tuple(mode.layout(x))
+    if layout != trailing(mode.dims):
+        # A channels-last map (Swin's PatchMerging takes x[..., 0::2, 0::2, :]): the same slices with
+        # the spatial dims moved last, and moved back; ``slices`` come in position order.
+        if list(layout) != sorted(layout):
+            raise mode.unsupported(func, "it slices the spatial dims of a view that reorders them",
+                                   "Slice before permuting, or permute back to (N, C, *spatial) first")
+        spatial = [d % x.dim() for d in layout]
+        order = [d for d in range(x.dim()) if d not in spatial] + spatial
+        out = crop(mode, func, mark(x.permute(order), shape), slices)
+        return mark(out.permute([order.index(d) for d in range(x.dim())]), global_shape(out), layout)
     windows, steps, out_shape = [], [], []
     for s, n in zip(slices, shape):
         if s.step is not None and s.step <= 0:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, positions, random, reduce, subpixel, window
+from . import layout, norm, positions, random, reduce, roll, subpixel, window
 
-MODULES = (layout, reduce, window, norm, subpixel, positions, random)
+MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll)
 
 
 def _merge(name: str) -> Mapping:

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from ..geometry.boxes import TransposedWindow, Window, shard_box
 from ..geometry.index_maps import PadMap, Resize, resize_sizes
 from .reduce import sum_mean
-from .shards import bind, global_shape, mark, ntuple, with_input
+from .shards import bind, global_shape, mark, ntuple, trailing, with_input
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
     from .mode import ShardMode
@@ -285,6 +285,8 @@ def _pad(mode: ShardMode, func, args, kwargs):
     whole = with_input(func, args, kwargs)
     if len(pad) % 2 or len(pad) // 2 > x.dim():
         return whole(x)  # let PyTorch raise its own error
+    if tuple(mode.layout(x)) != trailing(mode.dims):
+        return _pad_moved(mode, func, x, shape, pad, kind, value)
     per_dim = [(0, 0)] * (x.dim() - len(pad) // 2) + [(pad[2 * i], pad[2 * i + 1]) for i in
                                                         reversed(range(len(pad) // 2))]
     lead, spatial = per_dim[: x.dim() - mode.dims], per_dim[x.dim() - mode.dims:]
@@ -310,6 +312,19 @@ def _pad(mode: ShardMode, func, args, kwargs):
         return whole(x)  # PyTorch's own error: reflection needs padding < size
     maps = [PadMap(n, lo, hi, kind) for (lo, hi), n in zip(spatial, shape)]
     return _index_map(mode, x, shape, maps, whole)
+
+
+def _pad_moved(mode: ShardMode, func, x, shape, pad: list, kind: str, value):
+    """``F.pad`` of a map whose spatial dims are not last (Swin pads a channels-last map): the same
+    padding with the spatial dims moved last, and moved back."""
+    per_dim = [(0, 0)] * (x.dim() - len(pad) // 2) + [(pad[2 * i], pad[2 * i + 1])
+                                                      for i in reversed(range(len(pad) // 2))]
+    layout = mode.layout(x)
+    spatial = [d % x.dim() for d in layout]
+    order = [d for d in range(x.dim()) if d not in spatial] + spatial
+    moved_pad = [p for d in reversed(order) for p in per_dim[d]]
+    out = _pad(mode, func, (mark(x.permute(order), shape), moved_pad, kind, value), {})
+    return mark(out.permute([order.index(d) for d in range(x.dim())]), global_shape(out), layout)
 
 
 _INTERP_NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
@@ -374,5 +389,6 @@ for _f in (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d):
 for _f in (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d):
     RULES[_f] = _conv_transpose
 RULES[F.pad] = _pad
+LAYOUT_AWARE.add(F.pad)
 RULES[F.interpolate] = _interpolate
 WHOLE_RULES[F.interpolate] = _interpolate_whole

@@ -16,6 +16,7 @@ import pickle
 
 import torch
 import torch.distributed.autograd as dist_autograd
+import torch.utils._pytree as pytree
 from torch.nn.utils import parametrize
 
 from .. import losses, transport
@@ -140,12 +141,17 @@ class Replica:
                     losses.check_labels_here(loss_fn, out, target)
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
                 return num.cpu(), den
-            if global_shape(out) is None and self.rt.index != 0 and not grad:
-                return None  # replicated inference output: worker 0's copy is enough
-            return out.cpu()
+            if not isinstance(out, torch.Tensor):  # several outputs: each as one tensor would go
+                return [self._sent(t, grad) for t in pytree.tree_leaves(out)]
+            return self._sent(out, grad)
         finally:
             if self.transport == "rpc":
                 rpc_link.flush(self.rt)  # RPC pushes
+
+    def _sent(self, out: torch.Tensor, grad) -> torch.Tensor | None:
+        if global_shape(out) is None and self.rt.index != 0 and not grad:
+            return None  # replicated inference output: worker 0's copy is enough
+        return out.cpu()
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         return prefetch.take_or_read(read, self.rt.timeout, self.rt.stats)
@@ -184,6 +190,9 @@ class Replica:
         self.kept = None
         out = self._forward(call, grid, shape, x, grad)
         self.kept = out
+        if not isinstance(out, torch.Tensor):  # several outputs: a list of what one tensor would send
+            return [None if global_shape(t) is None and self.rt.index != 0 else t.detach().cpu()
+                    for t in pytree.tree_leaves(out)]
         return None if global_shape(out) is None and self.rt.index != 0 else out.detach().cpu()
 
     def backward(self, grad: torch.Tensor | None, step: bool, gradients: bool = False):
@@ -193,9 +202,14 @@ class Replica:
         out, self.kept = self.kept, None
         if out is None:
             raise RuntimeError("no forward is waiting for its backward (an earlier call failed); call again")
+        # Several outputs: one gradient per output (None: zeros), in one backward through all of them.
+        outs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
+        grads = grad if isinstance(grad, list) else [grad]
+        pairs = [(o, g.to(o.device) if g is not None else torch.zeros_like(o))
+                 for o, g in zip(outs, grads) if o.requires_grad]
         self.engine.begin()
         try:
-            out.backward(grad.to(out.device) if grad is not None else torch.zeros_like(out))
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         except BaseException:
             self.engine.abort()
             raise

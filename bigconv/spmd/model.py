@@ -16,18 +16,20 @@ sent anywhere.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from .. import checks, saving
 from ..data import prefetch
 from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
 from ..engine.executor import join_shards
 from ..geometry.boxes import balanced_bounds, coord_of, shard_box, validate_grid
-from ..planning import Plan, Planner
+from ..planning import Plan, Planner, output_leaves
 from ..saving import rng_state, set_rng_state
 from ..engine.step import ShardEngine
 from ..ops.random import random_seed
@@ -169,6 +171,8 @@ class SpmdModel:
             part, loss = self.engine.dense_loss(loss_fn, out, target)
             part.backward()
             return loss
+        if plan.several:
+            return self._structured_loss(plan, out, y, loss_fn)
         dense_map = plan.out_shape is not None
         # A loss not computed per shard sees the whole batch's map on every rank, only this rank's shard
         # carrying gradient: every rank backpropagates the same loss, so the sum over ranks is the
@@ -181,6 +185,27 @@ class SpmdModel:
             loss.backward()
         else:  # same graph, zero gradient: the halo exchanges of backward still need this rank
             out.backward(torch.zeros_like(out))
+        return loss.detach()
+
+    def _structured_loss(self, plan, out, y, loss_fn) -> torch.Tensor:
+        """Several outputs, each joined as one would be (a dense map gathered with this rank's part live;
+        a replicated one live on shard 0 only), the loss over their structure, one backward."""
+        outs = output_leaves(out)
+        joined, idle = [], []
+        for t, (shape, _) in zip(outs, plan.outputs):
+            if shape is not None:
+                joined.append(self._gather_dense(plan, t, live=True))
+            elif self.mesh.shard == 0 or not t.requires_grad:
+                joined.append(self._whole_batch_head(t))
+            else:  # this rank's copy counts once, on shard 0; a zero gradient still runs its exchanges
+                joined.append(self._whole_batch_head(t.detach()))
+                idle.append(t)
+        loss = loss_fn(plan.rebuild(joined), pytree.tree_map(lambda t: t.to(outs[0].device), y))
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        roots = ([loss] if loss.requires_grad else []) + idle
+        if roots:
+            torch.autograd.backward(roots, [None] * (len(roots) - len(idle)) + [torch.zeros_like(t) for t in idle])
         return loss.detach()
 
     def train_step(self, x, y, loss_fn: Callable) -> float:
@@ -226,6 +251,13 @@ class SpmdModel:
         """The full output, on every rank, without gradients."""
         plan = self.plan(x)
         out = self._forward(plan, self._local_input(plan, x), False)
+        if plan.several:
+            return plan.rebuild([self._whole(replace(plan, outputs=(), spec=None, out_shape=shape), t)
+                                 for t, (shape, _) in zip(output_leaves(out), plan.outputs)])
+        return self._whole(plan, out)
+
+    def _whole(self, plan, out: torch.Tensor) -> torch.Tensor:
+        """One output tensor of every rank, whole, on every rank."""
         if plan.out_shape is not None:
             return self._gather_dense(plan, out)
         if self.replicas == 1:
@@ -239,6 +271,9 @@ class SpmdModel:
         from ..data import outputs
 
         plan = self.plan(x)
+        if plan.several:
+            raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
+                             "use net(x) for them, or predict with a wrapper returning the one map to write")
         if plan.out_shape is None:
             raise ValueError("predict writes a dense map, but this model's output is one vector per image; use net(x)")
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)

@@ -1,0 +1,197 @@
+"""Small models of issue 37's habits, shared by the driver-mode tests and the SPMD ranks.
+
+Each returns what the field's models return: nnU-Net's deep supervision (a list of maps at several
+scales, the loss over a list of targets), HoVerNet's dict of heads, an auxiliary classifier beside a
+dense map (a tuple of a map and a vector), two classifier heads; and a SyncBatchNorm model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def block(cin: int, cout: int) -> nn.Sequential:
+    # No bias before a norm: its gradient is 0 in exact arithmetic, a rounding residue on both sides.
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.GroupNorm(2, cout), nn.LeakyReLU(0.01))
+
+
+class DeepSupervision(nn.Module):
+    """A two-level U-Net returning [full-resolution logits, half-resolution logits] (nnU-Net's order)."""
+
+    def __init__(self, c: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.enc1, self.enc2 = block(1, c), block(c, c)
+        self.down = nn.Conv2d(c, c, 2, stride=2)
+        self.up = nn.ConvTranspose2d(c, c, 2, stride=2)
+        self.dec = block(2 * c, c)
+        self.seg1, self.seg2 = nn.Conv2d(c, classes, 1), nn.Conv2d(c, classes, 1)
+
+    def forward(self, x):
+        a = self.enc1(x)
+        b = self.enc2(self.down(a))
+        d = self.dec(torch.cat([a, self.up(b)], 1))
+        return [self.seg1(d), self.seg2(b)]
+
+
+def deep_supervision_loss(outs, targets):
+    """nnU-Net's DeepSupervisionWrapper: weights 1/2^k, normalized, one target per scale."""
+    weights = [1 / 2 ** k for k in range(len(outs))]
+    total = sum(weights)
+    return sum(w / total * F.cross_entropy(o, t) for w, o, t in zip(weights, outs, targets))
+
+
+def deep_supervision_targets(n: int, h: int, w: int, g: torch.Generator) -> list:
+    full = torch.randint(0, 3, (n, h, w), generator=g)
+    return [full, full[:, ::2, ::2].contiguous()]
+
+
+class DictHeads(nn.Module):
+    """HoVerNet's three maps as a dict: nuclear pixels, horizontal/vertical distances, types."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(block(1, c), block(c, c))
+        self.np, self.hv, self.tp = nn.Conv2d(c, 2, 1), nn.Conv2d(c, 2, 3, padding=1), nn.Conv2d(c, 3, 1)
+
+    def forward(self, x):
+        f = self.trunk(x)
+        return {"np": self.np(f), "hv": torch.tanh(self.hv(f)), "tp": self.tp(f)}
+
+
+def dict_loss(outs, y):
+    return (F.cross_entropy(outs["np"], y["np"]) + F.mse_loss(outs["hv"], y["hv"])
+            + 0.5 * F.cross_entropy(outs["tp"], y["tp"]))
+
+
+def dict_targets(n: int, h: int, w: int, g: torch.Generator) -> dict:
+    return {"np": torch.randint(0, 2, (n, h, w), generator=g),
+            "hv": torch.rand(n, 2, h, w, generator=g, dtype=torch.float64) * 2 - 1,
+            "tp": torch.randint(0, 3, (n, h, w), generator=g)}
+
+
+class AuxClassifier(nn.Module):
+    """A dense map and an image-level vector from the pooled trunk (a tuple: dense + replicated)."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(block(1, c), nn.Conv2d(c, c, 3, stride=2, padding=1), nn.Tanh())
+        self.seg = nn.Conv2d(c, 2, 1)
+        self.cls = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 3))
+
+    def forward(self, x):
+        f = self.trunk(x)
+        return self.seg(f), self.cls(f)
+
+
+def aux_loss(outs, y):
+    seg, cls = outs
+    return F.cross_entropy(seg, y[0]) + 0.4 * F.cross_entropy(cls, y[1])
+
+
+def aux_targets(n: int, h: int, w: int, g: torch.Generator) -> tuple:
+    return torch.randint(0, 2, (n, (h + 1) // 2, (w + 1) // 2), generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+class TwoHeads(nn.Module):
+    """GoogLeNet-style: the main classifier and an auxiliary one, both image-level (both replicated)."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.a, self.b = block(1, c), block(c, c)
+        self.aux = nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(c, 3))
+        self.main = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 3))
+
+    def forward(self, x):
+        a = self.a(x)
+        return {"main": self.main(self.b(a)), "aux": self.aux(a)}
+
+
+def two_heads_loss(outs, y):
+    return F.cross_entropy(outs["main"], y) + 0.3 * F.cross_entropy(outs["aux"], y)
+
+
+def sync_bn_net() -> nn.Module:
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, momentum=None), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    return nn.SyncBatchNorm.convert_sync_batchnorm(net).double()
+
+
+CASES = {
+    # name: (model factory, input shape, targets(n, h, w, generator), loss)
+    "deep-supervision": (DeepSupervision, (2, 1, 12, 10), deep_supervision_targets, deep_supervision_loss),
+    "dict-heads": (DictHeads, (2, 1, 11, 9), dict_targets, dict_loss),
+    "aux-classifier": (AuxClassifier, (2, 1, 11, 9), aux_targets, aux_loss),
+    "two-heads": (TwoHeads, (2, 1, 11, 9), lambda n, h, w, g: torch.randint(0, 3, (n,), generator=g), two_heads_loss),
+}
+
+
+def case(name: str, seed: int = 0, batch: int | None = None):
+    """(model in float64, x, y, loss) of a case, the same on every rank for one seed."""
+    factory, shape, targets, loss = CASES[name]
+    if batch is not None:
+        shape = (batch, *shape[1:])
+    torch.manual_seed(seed)
+    model = factory().double()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return model, x, targets(shape[0], shape[2], shape[3], g), loss
+
+
+class RollNet(nn.Module):
+    """A convolution, ``torch.roll`` of the map (channels-last, as Swin rolls it, with ``channels_last``),
+    another convolution: the roll's exchange sits between two halos, forward and backward."""
+
+    def __init__(self, shifts, dims, channels_last: bool = False, spatial: int = 2) -> None:
+        super().__init__()
+        conv = nn.Conv2d if spatial == 2 else nn.Conv3d
+        self.shifts, self.dims, self.channels_last = shifts, dims, channels_last
+        self.a, self.b = conv(1, 3, 3, padding=1), conv(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.channels_last:
+            h = h.movedim(1, -1)
+        h = torch.roll(h, self.shifts, self.dims)
+        if self.channels_last:
+            h = h.movedim(-1, 1)
+        return self.b(h)
+
+
+def roll_case(shifts, dims, channels_last=False, shape=(2, 1, 11, 9), seed: int = 0):
+    torch.manual_seed(seed)
+    model = RollNet(shifts, dims, channels_last, len(shape) - 2).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    y = torch.randn(shape[0], 2, *shape[2:], generator=g, dtype=torch.float64)
+    return model, x, y, nn.MSELoss()
+
+
+def tiny_swin(v2: bool = False) -> nn.Module:
+    """torchvision's Swin (v1 or v2) at a test's size: 4x4 patches, windows of 2, two stages."""
+    from torchvision.models.swin_transformer import (
+        PatchMergingV2, SwinTransformer, SwinTransformerBlockV2)
+
+    extra = dict(block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2) if v2 else {}
+    return SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[2, 2], num_heads=[2, 2], window_size=[2, 2],
+                           stochastic_depth_prob=0.0, num_classes=3, **extra)
+
+
+class TimmAttention(nn.Module):
+    """timm's bottleneck (global MHSA, botnet's) or halo attention (halonet's) between convolutions."""
+
+    def __init__(self, kind: str, c: int = 8) -> None:
+        super().__init__()
+        from timm.layers.bottleneck_attn import BottleneckAttn
+        from timm.layers.halo_attn import HaloAttn
+
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, stride=2, padding=1), nn.GroupNorm(2, c), nn.ReLU())
+        self.attn = (BottleneckAttn(c, c, feat_size=(6, 6), num_heads=2) if kind == "bottleneck"
+                     else HaloAttn(c, c, feat_size=(6, 6), block_size=2, halo_size=1, num_heads=2))
+        self.head = nn.Sequential(nn.Conv2d(c, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    def forward(self, x):
+        return self.head(self.attn(self.stem(x)))

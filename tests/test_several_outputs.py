@@ -1,0 +1,47 @@
+"""Models returning several outputs train and predict exactly (issue 37): lists, tuples, dicts.
+
+nnU-Net's deep supervision (maps at two scales, a loss over a list of targets), HoVerNet's dict of
+heads, an auxiliary classifier beside a dense map, two classifier heads. Each against one process
+in float64 on a 2x2 grid, both transports: every output, the input gradient, every parameter
+gradient, both losses and every weight after two SGD steps, each against its own size (raw, no
+noise floor). A failure points at the dry run's output structure (``DryRunResult.outputs``), the
+driver's join and per-output gradients (``ParallelModel._loss_on_driver``, ``_assemble``) or the
+workers' backward through several outputs (``Replica.backward``). SPMD: ``test_issue37_spmd.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import bigconv
+from exactness import assert_exact, compare
+from issue37_models import CASES, DeepSupervision, case
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_several_outputs_match_single_process(world, transport, name):
+    model, x, y, loss = case(name)
+    r = compare(model, world, x, y, loss, grid=(2, 2), transport=transport)
+    assert_exact(r)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_several_outputs_refusals_before_remote_work(world, monkeypatch):
+    model, x, y, loss = case("deep-supervision")
+    net = bigconv.parallelize(model, world, grid=(2, 2))
+    monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))
+    with pytest.raises(ValueError, match="predict writes one dense map, but this model returns 2 outputs"):
+        net.predict(x, "/tmp/unused.zarr")
+    with pytest.raises(ValueError, match="loss_fn cannot take the model's outputs"):
+        net.gradients(x, [y[0], y[0]], loss)  # the half-resolution target has the wrong shape
+
+    class ReturnsNone(DeepSupervision):
+        def forward(self, x):
+            return [super().forward(x)[0], None]
+
+    net = bigconv.parallelize(ReturnsNone().double(), world, grid=(2, 2))
+    with pytest.raises(ValueError, match="list, tuple or dict of tensors"):
+        net(x)
