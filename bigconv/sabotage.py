@@ -23,6 +23,7 @@ from .verify import (
     Run,
     conditioned_size,
     distributed_run,
+    map_output,
     negligible,
     reference,
     verdict,
@@ -43,7 +44,7 @@ def _well_conditioned(ref: Reference, category: str, tol: float) -> dict[str, fl
 
 
 def doubled_output(got: Run, ref: Reference, tol: float) -> Run:
-    return replace(got, output=got.output * 2)
+    return replace(got, output=map_output(got.output, lambda t: t * 2))
 
 
 def negated_input_gradient(got: Run, ref: Reference, tol: float) -> Run:

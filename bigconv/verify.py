@@ -92,7 +92,8 @@ class Run:
     first forward, the input and parameter gradients of a second, and the losses and state dict of
     ``steps`` optimizer steps after it. ``drew``: whether the model drew random numbers."""
 
-    output: torch.Tensor
+    output: object
+    """A tensor, or a list, tuple or dict of them (several outputs), as the model returns it."""
     input_grad: torch.Tensor
     param_grads: dict
     losses: list
@@ -100,9 +101,31 @@ class Run:
     drew: bool = False
 
 
+def output_leaves(tree, prefix: str = "output") -> dict[str, torch.Tensor]:
+    """The tensors of a model's output by path: ``output`` for one tensor, ``output[0]``, ``output['aux']`` for
+    several."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    found: dict = {}
+    for key, value in items:
+        found.update(output_leaves(value, f"{prefix}[{key!r}]"))
+    return found
+
+
+def map_output(tree, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``tree`` with ``fn`` applied to each tensor, its structure kept."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, map_output(v, fn)) for k, v in tree.items())
+    return type(tree)(map_output(v, fn) for v in tree)
+
+
 def named_tensors(run: Run) -> dict[tuple[str, str], torch.Tensor]:
     """Every tensor of a run by (category, name), the keys ``judge`` and the noise share."""
-    named = {("forward", "output"): run.output, ("input_grad", "input"): run.input_grad}
+    named = {("forward", name): t for name, t in output_leaves(run.output).items()}
+    named[("input_grad", "input")] = run.input_grad
     named.update({("param_grads", n): g for n, g in run.param_grads.items()})
     # A distributed run's losses are Python floats: keep all their digits (as_tensor would make float32).
     named.update({("loss", f"step {i}"): v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
@@ -122,6 +145,7 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     that layout (a noise run: the same values, other kernels).
     """
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    _one_process_sync_batchnorm(model)
     if memory_format is not None:
         model = model.to(memory_format=memory_format)
         x = x.contiguous(memory_format=memory_format)
@@ -154,6 +178,20 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew)
 
 
+class _OneProcessSyncBatchNorm(torch.nn.SyncBatchNorm):
+    """SyncBatchNorm in one process is BatchNorm over the whole batch; its own forward would use the process
+    group an SPMD rank holds (and refuse CPU tensors)."""
+
+    forward = torch.nn.modules.batchnorm._BatchNorm.forward
+
+
+def _one_process_sync_batchnorm(model: torch.nn.Module) -> None:
+    """Every SyncBatchNorm of ``model`` (a copy) computed as one process computes it; keys and values unchanged."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.SyncBatchNorm) and type(m) is not _OneProcessSyncBatchNorm:
+            m.__class__ = _OneProcessSyncBatchNorm
+
+
 @dataclass
 class Reference:
     """One process's run and what rounding alone moves each of its tensors by.
@@ -182,7 +220,7 @@ def reordered_runs(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable
     if _reversible(x, y, ref):
         def reversed_batch() -> Run:
             r = train_single(copy_model(model), x.flip(0), y.flip(0), loss_fn, steps, optimizer, opt_kwargs, seed)
-            return replace(r, output=r.output.flip(0), input_grad=r.input_grad.flip(0))
+            return replace(r, output=map_output(r.output, lambda t: t.flip(0)), input_grad=r.input_grad.flip(0))
         runs["reversed batch"] = reversed_batch
     for name, run in runs.items():
         try:
@@ -199,7 +237,7 @@ def _reversible(x: torch.Tensor, y, ref: Run) -> bool:
     (they follow the batch index, so a reversed batch would draw other masks: not rounding)."""
     n = x.shape[0] if x.dim() else 0
     return (n >= 2 and not ref.drew and isinstance(y, torch.Tensor) and y.dim() > 0 and y.shape[0] == n
-            and ref.output.dim() > 0 and ref.output.shape[0] == n)
+            and all(t.dim() > 0 and t.shape[0] == n for t in output_leaves(ref.output).values()))
 
 
 def reference(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, steps: int = 2,

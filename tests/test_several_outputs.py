@@ -45,3 +45,25 @@ def test_several_outputs_refusals_before_remote_work(world, monkeypatch):
     net = bigconv.parallelize(ReturnsNone().double(), world, grid=(2, 2))
     with pytest.raises(ValueError, match="list, tuple or dict of tensors"):
         net(x)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compare_training_judges_every_output(world, name):
+    """The user-facing verdict (``bigconv.verify.compare_training``) on several outputs: each output tensor is
+    judged on its own (``output[0]``, ``output['aux']``), and the sabotage panel's doubled output is flagged."""
+    import copy
+
+    from verdicts import assert_exact
+
+    from bigconv.sabotage import run_panel
+    from bigconv.verify import compare_training
+
+    model, x, y, loss = case(name)
+    r = compare_training(copy.deepcopy(model), world, x, y, loss, grid=(2, 2))
+    assert_exact(r)
+    outputs = [t["tensor"] for t in r["tensors"] if t["category"] == "forward"]
+    assert len(outputs) > 1 and all(o.startswith("output[") for o in outputs), outputs
+    panel = run_panel(name, model, world, x, y, loss, (2, 2))
+    assert panel["clean"] == "exact" and panel["sabotaged"]["doubled output"] == "not exact", panel

@@ -49,3 +49,18 @@ def test_own_process_group_refused():
     model[1].process_group = object()  # stands for a subgroup: bigconv cannot restrict statistics to it
     with pytest.raises(ValueError, match="'1' \\(SyncBatchNorm\\) has its own process_group"):
         adopt(model)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_compare_training_on_sync_batchnorm(world):
+    """The user-facing verdict: its one-process reference computes SyncBatchNorm as BatchNorm over the batch."""
+    import verdicts
+
+    from bigconv.verify import compare_training
+
+    torch.manual_seed(0)
+    model = sync_bn_net()
+    assert any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+    x = torch.randn(2, 2, 11, 9, dtype=torch.float64)
+    verdicts.assert_exact(compare_training(model, world, x, torch.tensor([0, 2]), nn.CrossEntropyLoss(), grid=(2, 2)))
