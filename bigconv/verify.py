@@ -47,7 +47,7 @@ Allowances:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -99,6 +99,9 @@ class Run:
     losses: list
     state: dict
     drew: bool = False
+    spreads: dict = field(default_factory=dict)
+    """BatchNorm module name -> the largest standard deviation of its input over a batch (per channel, over the
+    batch and positions) in this run's training forwards: the scale its running mean acts on."""
 
 
 def output_leaves(tree, prefix: str = "output") -> dict[str, torch.Tensor]:
@@ -151,6 +154,10 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
         x = x.contiguous(memory_format=memory_format)
     draws = RandomDraws(seed)
     drew = False
+    plain = unwrap_compiled(model)[0]  # torch.compile(model): the names are the module's own
+    spreads: dict = {}
+    hooks = [m.register_forward_pre_hook(_spread_hook(name, spreads)) for name, m in plain.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
 
     def forward(inp):
         nonlocal drew
@@ -164,7 +171,6 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
         output = forward(x)
     xr = x.detach().clone().requires_grad_(True)
     loss_fn(forward(xr), y).backward()
-    plain = unwrap_compiled(model)[0]  # torch.compile(model): the names are the module's own
     param_grads = {n: p.grad.clone() for n, p in plain.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     opt = optimizer(model.parameters(), **opt_kwargs)
@@ -175,7 +181,19 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew)
+    for hook in hooks:
+        hook.remove()
+    return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew, spreads)
+
+
+def _spread_hook(name: str, spreads: dict) -> Callable:
+    def hook(module, args):
+        x = args[0] if args else None
+        if module.training and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.numel() > x.shape[1]:
+            dims = [0, *range(2, x.dim())]
+            std = x.detach().double().std(dim=dims, unbiased=False).max().item()
+            spreads[name] = max(spreads.get(name, 0.0), std)
+    return hook
 
 
 class _OneProcessSyncBatchNorm(torch.nn.SyncBatchNorm):
@@ -308,11 +326,12 @@ def negligible(scale: float, largest: float, dtype: torch.dtype) -> bool:
 
 
 def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float, tol: float,
-                 residue_scale: float | None = None, largest: float | None = None) -> TensorError:
+                 residue_scale: float | None = None, largest: float | None = None, spread: float = 0.0) -> TensorError:
     """Judge ``got`` against ``ref`` (see the module docstring). ``residue_scale``: the largest size among
     tensors of this kind where residues with measured noise may be recognised, None where they may not;
-    ``largest``: the largest size among tensors of this kind where negligible ones may be (None: nowhere)."""
-    scale = _scale(ref)
+    ``largest``: the largest size among tensors of this kind where negligible ones may be (None: nowhere);
+    ``spread``: for a running mean, the spread of what it averages (``Run.spreads``), its size where larger."""
+    scale = max(_scale(ref), spread)
     if got is None:  # the distributed run produced nothing where one process has a tensor (a lost gradient)
         return TensorError(category, name, math.inf, math.inf, scale, noise, 0.0, "missing")
     if tuple(got.shape) != tuple(ref.shape):
@@ -360,8 +379,19 @@ def judge(got: Run, ref: Reference, tol: float) -> list[TensorError]:
         floorable = key[0] not in NEVER_FLOORED
         residue_scale = largest.get(key[0]) if ref.rounding_only and floorable else None
         errors.append(tensor_error(*key, got_t, want, noise, tol, residue_scale, largest.get(key[0]) if floorable
-                                   else None))
+                                   else None, _spread(key, ref.run)))
     return errors
+
+
+def _spread(key: tuple[str, str], run: Run) -> float:
+    """A running mean acts on the model only through (x - mean) / std: its size is the larger of its own and
+    the spread of the values it averages (measured in the reference run, not read from the running variance,
+    which starts at 1 whatever the data). A mean of cancelling values (a depthwise convolution after
+    BatchNorm) is determined only to rounding of that spread, at any input size."""
+    category, name = key
+    if category != "weights" or not name.endswith(".running_mean"):
+        return 0.0
+    return run.spreads.get(name[: -len(".running_mean")], 0.0)
 
 
 class TensorList(list):

@@ -133,9 +133,23 @@ def test_a_missing_gradient_is_flagged(resnet):
     assert r["wrong"][0]["status"] == "missing"
 
 
+def test_a_running_mean_is_judged_against_the_spread_it_acts_on():
+    """A running mean acts through (x - mean) / std: its size is the larger of its own and the spread of the
+    inputs its BatchNorm saw in the reference run (``Run.spreads``). Against a spread of 1 a mean of 4e-10
+    negated moves normalised outputs by 8e-10 and passes; against the data's real spread of 1e-9 it fails."""
+    state = {"bn.running_mean": torch.tensor([4e-10, -1e-10]).double(), "bn.running_var": torch.ones(2).double()}
+    noise = {("weights", k): 0.0 for k in state} | {("forward", "output"): 0.0, ("input_grad", "input"): 0.0}
+    for spread, verdict in ((1.0, "exact"), (1e-9, NOT_EXACT)):
+        run = Run(torch.ones(1).double(), torch.ones(1).double(), {}, [], state, spreads={"bn": spread})
+        ref = Reference(run, noise, [], True)
+        got = dataclasses.replace(run, state={**state, "bn.running_mean": -state["bn.running_mean"]})
+        assert verdict_of(got, ref)["verdict"] == verdict, spread
+
+
 def test_a_negated_small_running_mean_is_flagged():
     """The issue's hole: running_var starts at 1, so its square root floored every running mean near 1
-    whatever the data; a mean of 4e-10 negated passed in float64."""
+    whatever the data; a mean of 4e-10 negated passed in float64. Without a measured spread it is judged
+    against its own size."""
     state = {"bn.running_mean": torch.tensor([4e-10, -1e-10, 2e-10]).double(),
              "bn.running_var": torch.full((3,), 0.9).double()}
     ref = Reference(Run(torch.ones(1).double(), torch.ones(1).double(), {}, [], state),
