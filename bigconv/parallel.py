@@ -178,7 +178,11 @@ class ParallelModel:
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
         """Write the dense output for ``x`` (a tensor, or a list of image sources) into a zarr array at
         ``out``, each worker writing its own region; nothing the size of the output reaches the driver.
-        Chunks never cross shards (``bigconv.data.outputs``). Returns ``out``."""
+        Chunks never cross shards (``bigconv.data.outputs``). Returns ``out``.
+
+        ``out`` may not be, hold or lie inside an input; ``overwrite=True`` replaces only an output that
+        bigconv wrote. The workers write into a temporary sibling that moves to ``out`` when all are done:
+        a failed run leaves the old output as it was."""
         from .data import outputs
 
         plan = self.plan(x)
@@ -187,15 +191,21 @@ class ParallelModel:
                              "(replicated after pooling); use net(x) for it")
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
         dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
-        path = outputs.create(str(out), plan.out_full_shape, chunks, dtype, overwrite)
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
         args = self._shard_args(plan, x, None, None, grad=False)
         boxes = [shard_box(plan.out_shape, plan.grid, c) for c in all_coords(plan.grid)]
         self.world.check_usable()
-        futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], path, box),
-                                 timeout=self.world.rpc_timeout)
-                   for name, a, box in zip(self.world.names, args, boxes)]
-        self._wait(futures, f"prediction {args[0][0]}")
-        return path
+        tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
+        try:
+            futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], tmp, box),
+                                     timeout=self.world.rpc_timeout)
+                       for name, a, box in zip(self.world.names, args, boxes)]
+            self._wait(futures, f"prediction {args[0][0]}")
+        except BaseException:
+            if not self.world.broken:  # a broken World's workers may still be writing: leave it, named
+                outputs.abandon(tmp)
+            raise
+        return outputs.finish(tmp, path)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start every worker reading its boxes of the next call's sources (``x``, and ``y`` when they
