@@ -86,10 +86,11 @@ class Planner:
             ) from exc
         return Plan(grid, shape, result.out_shape, result.out_full_shape)
 
-    @staticmethod
-    def per_shard_loss(plan: Plan, x, y, loss_fn: Callable) -> bool:
+    def per_shard_loss(self, plan: Plan, x, y, loss_fn: Callable) -> bool:
         """Check the targets (before remote work); whether the loss is computed shard by shard."""
         y_sources = is_source_batch(y)
+        if self.check_finite and not y_sources:  # target sources: each worker checks its box
+            checks.check_finite_target(y)
         y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
         checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
         dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(

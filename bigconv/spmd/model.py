@@ -118,12 +118,13 @@ class SpmdModel:
 
     def _input_read(self, plan, x) -> ShardRead:
         lo, hi = self._my_items(len(x))
-        return ShardRead(tuple(x)[lo:hi], shard_box(plan.in_shape, plan.grid, self._coord(plan.grid)))
+        return ShardRead(tuple(x)[lo:hi], shard_box(plan.in_shape, plan.grid, self._coord(plan.grid)),
+                         check_finite=self.planner.check_finite)
 
     def _target_read(self, plan, y, loss_fn) -> ShardRead:
         lo, hi = self._my_items(len(y))
         return ShardRead(tuple(y)[lo:hi], shard_box(plan.out_shape, plan.grid, self._coord(plan.grid)),
-                         class_index_targets(SourceBatch(y), loss_fn))
+                         class_index_targets(SourceBatch(y), loss_fn), self.planner.check_finite)
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         return prefetch.take_or_read(read, self.world.timeout, self.stats)
@@ -306,13 +307,14 @@ class SpmdModel:
         dist.all_gather_object(parts, self.state_dict())
         return parts[: workers or self.world.size]
 
-    def save(self, path) -> str:
-        """Rank 0 writes the file (the driver mode's format); every rank returns once it is on disk."""
+    def save(self, path, extra: dict | None = None) -> str:
+        """Rank 0 writes the file (the driver mode's format, ``extra`` included); every rank returns once
+        it is on disk."""
         rngs = [None] * self.world.size
         dist.all_gather_object(rngs, rng_state(torch.device("cpu")))
         if self.world.rank == 0:
             ck = saving.checkpoint(self.state_dict(), self.engine.optimizer_state(), self.optimizer_class, self.steps, rngs, self.world.size,
-                                   grid=list(self.grid) if self.grid else None)
+                                   grid=list(self.grid) if self.grid else None, extra=extra or {})
             saving.atomic_save(ck, path)
         self.world.barrier()
         return str(path)
