@@ -2,13 +2,16 @@
 
 Every rank plans on its own (grid, replicas, input shape, model, loss). Ranks that disagree (rank 0
 on a (2, 1) grid and rank 1 on (1, 2), say) would exchange halos that fit neither and train silently
-wrong (issue 34: losses 4.6% off one process). Before every forward each rank contributes a 64-bit
-fingerprint of its plan to one small allreduce (the min and the max); only when they differ do the
-ranks gather the fields themselves, so that every rank raises the same error naming the first rank
-and the first field that differ from rank 0's.
+wrong (issue 34: losses 4.6% off one process). At the first call with each plan (a new input shape,
+dtype, mode or loss type) each rank contributes a 64-bit fingerprint of its plan to one small
+allreduce (the min and the max); only when they differ do the ranks gather the fields themselves, so
+that every rank raises the same error naming the first rank and the first field that differ from
+rank 0's.
 
-Every call, not only the first of each shape: a rank whose next call is new to it while another's is
-not would otherwise enter the check alone and wait.
+Only new plans, not every call: a collective in every step would be where a dead or stalled rank is
+first noticed, and a collective cannot say which rank is missing (the halo exchange that follows
+names its peer). The cost: a rank whose call is new to it while another rank's is not enters the
+check alone and fails at the process group's timeout instead of agreeing.
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ def agree(net, plan, x, loss_fn=None) -> None:
     """Raise the same ValueError on every rank unless every rank's plan is this rank's."""
     fields = plan_fields(net, plan, x, loss_fn)
     mine = fingerprint(fields)
+    if mine in net._agreed:
+        return
     both = torch.tensor([mine, -mine], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     if int(both[0]) == -int(both[1]):  # max == min: every rank's fingerprint is this one
+        net._agreed.add(mine)
         return
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, fields)

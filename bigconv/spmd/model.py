@@ -88,6 +88,7 @@ class SpmdModel:
                                   compile=bool(compile) or compiled)
         self.model = self.engine.model
         self._structure: tuple | None = None  # the model's names and shapes, for ``agree``
+        self._agreed: set[int] = set()  # fingerprints of the plans every rank agreed on
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(t.data, src=0)
