@@ -22,6 +22,13 @@ def check_input(x, check_finite: bool) -> None:
         raise ValueError(f"x holds {bad} NaN or infinite values; clean the input (check_finite=True found them)")
 
 
+def check_finite_target(y) -> None:
+    """An infinite or NaN target gives an infinite or NaN loss with no word; ``check_finite`` names it."""
+    if isinstance(y, torch.Tensor) and y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        bad = int((~torch.isfinite(y)).sum())
+        raise ValueError(f"y holds {bad} NaN or infinite values; clean the targets (check_finite=True found them)")
+
+
 def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """The floating dtype of the model's first floating parameter or buffer; None if it holds none."""
     for tensor in (*model.parameters(), *model.buffers()):

@@ -187,7 +187,11 @@ class ParallelModel:
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
         """Write the dense output for ``x`` (a tensor, or a list of image sources) into a zarr array at
         ``out``, each worker writing its own region; nothing the size of the output reaches the driver.
-        Chunks never cross shards (``bigconv.data.outputs``). Returns ``out``."""
+        Chunks never cross shards (``bigconv.data.outputs``). Returns ``out``.
+
+        ``out`` may not be, hold or lie inside an input; ``overwrite=True`` replaces only an output that
+        bigconv wrote. The workers write into a temporary sibling that moves to ``out`` when all are done:
+        a failed run leaves the old output as it was."""
         from .data import outputs
 
         plan = self.plan(x)
@@ -199,15 +203,21 @@ class ParallelModel:
                              "(replicated after pooling); use net(x) for it")
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
         dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
-        path = outputs.create(str(out), plan.out_full_shape, chunks, dtype, overwrite)
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
         args = self._shard_args(plan, x, None, None, grad=False)
         boxes = [shard_box(plan.out_shape, plan.grid, c) for c in all_coords(plan.grid)]
         self.world.check_usable()
-        futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], path, box),
-                                 timeout=self.world.rpc_timeout)
-                   for name, a, box in zip(self.world.names, args, boxes)]
-        self._wait(futures, f"prediction {args[0][0]}")
-        return path
+        tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
+        try:
+            futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], tmp, box),
+                                     timeout=self.world.rpc_timeout)
+                       for name, a, box in zip(self.world.names, args, boxes)]
+            self._wait(futures, f"prediction {args[0][0]}")
+        except BaseException:
+            if not self.world.broken:  # a broken World's workers may still be writing: leave it, named
+                outputs.abandon(tmp)
+            raise
+        return outputs.finish(tmp, path)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start every worker reading its boxes of the next call's sources (``x``, and ``y`` when they
@@ -229,13 +239,16 @@ class ParallelModel:
         call = next(self._calls)
         if is_source_batch(x):
             sources = tuple(x)
-            xs = [ShardRead(sources, shard_box(plan.in_shape, plan.grid, c)) for c in all_coords(plan.grid)]
+            finite = self.planner.check_finite  # each worker checks the box it reads
+            xs = [ShardRead(sources, shard_box(plan.in_shape, plan.grid, c), check_finite=finite)
+                  for c in all_coords(plan.grid)]
         else:
             xs = split_shards(x.detach(), plan.grid)
         ys = [None] * len(xs)
         if is_source_batch(y):
             squeeze = class_index_targets(SourceBatch(y), loss_fn)
-            ys = [ShardRead(tuple(y), shard_box(plan.out_shape, plan.grid, c), squeeze) for c in all_coords(plan.grid)]
+            ys = [ShardRead(tuple(y), shard_box(plan.out_shape, plan.grid, c), squeeze, self.planner.check_finite)
+                  for c in all_coords(plan.grid)]
         elif y is not None:
             lead = (slice(None),) * (y.dim() - len(plan.grid))
             ys = [y[lead + tuple(slice(a, b) for a, b in shard_box(plan.out_shape, plan.grid, c))].clone()
@@ -283,17 +296,18 @@ class ParallelModel:
         futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.rpc_timeout) for n in names]
         return self.world.wait(futures, "reading weights")
 
-    def save(self, path) -> str:
+    def save(self, path, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and generator states to ``path`` atomically.
 
-        The file loads into a plain model and optimizer too (see ``bigconv.saving``).
+        The file loads into a plain model and optimizer too (see ``bigconv.saving``). ``extra``: plain
+        data kept under ``"extra"`` (e.g. ``{"classes": dataset.classes}``).
         """
         self.world.check_usable()
         parts = self.world.call(worker.checkpoint_state, [(self.id, i == 0) for i in range(self.world.workers)],
                                 "saving a checkpoint")
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
-                               grid=list(self.grid) if self.grid else None)
+                               grid=list(self.grid) if self.grid else None, extra=extra or {})
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":
@@ -343,8 +357,9 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
     ``replicas=R`` adds data parallelism: R copies of the spatial grid, each on an equal slice of the
     batch, with ``prod(grid) * R`` equal to the world size. The driver mode has one replica.
 
-    ``check_finite``: refuse inputs holding NaN or inf before sending them (off by default: it reads
-    the whole batch once more).
+    ``check_finite``: refuse inputs and targets holding NaN or inf before sending them; each worker
+    checks the box it reads of image sources and names the slide and the box (off by default: it
+    reads the whole batch once more).
 
     ``transport`` (driver mode): ``"p2p"`` (the default) runs each worker's step as an SPMD rank runs
     it: halos point-to-point between the workers (on the GPU with NCCL), local autograd, gradients

@@ -109,10 +109,11 @@ class Planner:
             ) from exc
         return Plan(grid, shape, result.out_shape, result.out_full_shape, result.outputs, result.spec)
 
-    @staticmethod
-    def per_shard_loss(plan: Plan, x, y, loss_fn: Callable) -> bool:
+    def per_shard_loss(self, plan: Plan, x, y, loss_fn: Callable) -> bool:
         """Check the targets (before remote work); whether the loss is computed shard by shard."""
         y_sources = is_source_batch(y)
+        if self.check_finite and not y_sources:  # target sources: each worker checks its box
+            checks.check_finite_target(y)
         if plan.several:  # a loss over the structure, on the outputs joined whole (as a non-dense loss is)
             if y_sources:
                 raise ValueError("targets given as sources are read shard by shard, which needs one dense output; "

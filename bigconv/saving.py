@@ -14,8 +14,12 @@ A plain process continues with ``model.load_state_dict(ck["model"])`` and
 
 from __future__ import annotations
 
+import glob
 import os
+import re
+import socket
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -24,12 +28,53 @@ FORMAT = "bigconv-checkpoint"
 VERSION = 1
 
 
+def _owner_tag() -> str:
+    """This process in a temporary file's name: host (dots kept out) and pid."""
+    return f"{socket.gethostname().replace('.', '_')}.{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_stale(path: str) -> None:
+    """Remove the temporary files that interrupted saves of ``path`` left (a SIGTERM or SIGKILL between
+    the write and the rename: a preempted job repeats it every time), and name in a warning those we
+    cannot tell are dead. Ours are ``NAME.HOST.PID.RANDOM.tmp``: one whose process on this host is gone
+    is debris; anything else that looks like one (another host's, an older bigconv's, a user's) is
+    only named, never deleted."""
+    folder, name = os.path.split(os.path.abspath(path))
+    ours = re.compile(re.escape(name) + r"\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+    host = socket.gethostname().replace(".", "_")
+    unknown = []
+    for other in sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".*.tmp"))):
+        match = ours.match(os.path.basename(other))
+        if match and match["host"] == host and int(match["pid"]) != os.getpid() and not _alive(int(match["pid"])):
+            try:
+                os.unlink(other)
+            except FileNotFoundError:  # another save swept it first
+                pass
+        else:
+            unknown.append(other)
+    if unknown:
+        warnings.warn(f"temporary files beside {path!r} may be left by interrupted saves: {', '.join(unknown)}; "
+                      "delete them if no save of this file is running", stacklevel=3)
+
+
 def atomic_save(obj: Any, path: str | os.PathLike) -> str:
-    """Write ``obj`` to ``path`` so that a crash leaves the old file or the new one, never a torn one."""
+    """Write ``obj`` to ``path`` so that a crash leaves the old file or the new one, never a torn one;
+    and the temporary files of earlier interrupted saves are removed (``sweep_stale``)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    sweep_stale(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{os.path.basename(path)}.{_owner_tag()}.", suffix=".tmp", dir=folder)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it, not mkstemp's owner-only mode

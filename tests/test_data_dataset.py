@@ -119,3 +119,41 @@ def test_prefetched_batches_train_as_read_ones(world, folder):
     ahead, read_ahead = run(True)
     assert all(torch.equal(plain[k], ahead[k]) for k in plain)
     assert all(s["prefetch_read_s"] > 0 for s in read_ahead) and all(s["prefetch_read_s"] == 0 for s in read_in_step)
+
+
+def test_slide_tables_as_users_keep_them(folder, tmp_path):
+    """A header row (recognised by its names, or named by ``columns=``), class names mapped to indices
+    with the mapping kept in ``classes``, and a bad row named by file, row and value (issue 34)."""
+    ds = SlideDataset(folder, level=1)
+    assert ds.classes == ["benign", "tumour"]
+    names = {0: "normal", 1: "tumour"}
+    table = tmp_path / "table.csv"
+    table.write_text("slide_id,label\n" + "".join(f"{p},{names[label]}\n" for p, label in ds.records))
+    named = SlideDataset(table, level=1)
+    assert named.classes == ["normal", "tumour"] and named.records == ds.records
+    other = tmp_path / "other.csv"
+    other.write_text("case,scanner,diagnosis\n" + "".join(f"{p},x,{names[label]}\n" for p, label in ds.records))
+    assert SlideDataset(other, level=1, columns=("case", "diagnosis")).records == ds.records
+    pairs = SlideDataset([(p, names[label]) for p, label in ds.records], level=1)
+    assert pairs.classes == ["normal", "tumour"] and pairs.records == ds.records
+    bad = tmp_path / "bad.csv"
+    bad.write_text("slide_id,label\n" + f"{ds.records[0][0]},0\n{ds.records[1][0]},\n")
+    with pytest.raises(ValueError, match=r"bad\.csv' row 3: needs a path and a label"):
+        SlideDataset(bad, level=1)
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text(f"{ds.records[0][0]},0\n{ds.records[1][0]},tumour\n")
+    with pytest.raises(ValueError, match="integer label 0 among class names"):
+        SlideDataset(mixed, level=1)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_class_names_travel_with_a_checkpoint(world, folder, tmp_path):
+    import bigconv
+    from bigconv import saving
+
+    ds = SlideDataset(folder, level=1)
+    net = bigconv.parallelize(nn.Sequential(nn.Conv2d(3, 2, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()), world,
+                              grid=(2, 2))
+    net.save(tmp_path / "ck.pt", extra={"classes": ds.classes})
+    assert saving.read(tmp_path / "ck.pt")["extra"] == {"classes": ["benign", "tumour"]}

@@ -179,3 +179,29 @@ def test_a_plain_checkpoint_of_a_model_without_optimizer_loads_weights_only(worl
     dst = bigconv.parallelize(copy.deepcopy(CNN1D(1, 2).double()), world)
     dst.load(path)
     assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), src.state_dict().values()))
+
+
+def test_an_interrupted_save_leaves_no_debris_after_the_next(tmp_path):
+    """A save killed between its write and its rename (a preempted job) leaves a temporary file; the
+    next save of that path removes it, and only names (never deletes) look-alikes it cannot place."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, torch\n"
+        "from bigconv import saving\n"
+        "def dying(obj, fh):\n"
+        "    fh.write(b'x' * 4096); fh.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "torch.save = dying\n"
+        f"saving.atomic_save({{'a': 1}}, {str(tmp_path / 'ck.pt')!r})\n"
+    )
+    for _ in range(2):  # preempted twice
+        done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, check=False)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".tmp")]) == 1  # the second swept the first's
+    (tmp_path / "ck.pt.notes.tmp").write_text("not ours")
+    with pytest.warns(UserWarning, match="ck.pt.notes.tmp"):
+        saving.atomic_save({"a": 2}, tmp_path / "ck.pt")
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt", "ck.pt.notes.tmp"]
+    assert torch.load(tmp_path / "ck.pt") == {"a": 2}

@@ -38,41 +38,103 @@ def tissue_box(source: ImageSource, threshold: int = 220) -> Box:
     return tuple(box)
 
 
-def _records(items) -> list[tuple[str, object]]:
-    """(path, label) pairs from a folder of class subfolders, a CSV of path,label rows, or a list."""
+PATH_HEADERS = ("path", "file", "filename", "slide", "slide_id", "slide_path", "image", "image_id", "image_path",
+                "id", "name")
+LABEL_HEADERS = ("label", "labels", "class", "class_name", "target", "y", "diagnosis", "category")
+
+
+def _records(items, columns: tuple[str, str] | None = None) -> list[tuple[str, object]]:
+    """(path, label) pairs from a folder of class subfolders, a CSV of path,label rows, or a list;
+    labels as given (ints or class names; ``class_indices`` maps names)."""
     if isinstance(items, (list, tuple)):
-        return [(os.fspath(p), label) for p, label in items]
+        out = []
+        for i, item in enumerate(items):
+            if not (isinstance(item, (list, tuple)) and len(item) == 2):
+                raise ValueError(f"item {i} of the list is {item!r}; give (path, label) pairs")
+            out.append((os.fspath(item[0]), item[1]))
+        return out
     items = os.fspath(items)
     if os.path.isdir(items):
-        classes = sorted(d for d in os.listdir(items) if os.path.isdir(os.path.join(items, d)))
-        out = []
-        for label, name in enumerate(classes):
-            folder = os.path.join(items, name)
-            for f in sorted(os.listdir(folder)):
-                path = os.path.join(folder, f)
-                try:
-                    readers.guess_format(path)
-                except ValueError:
-                    continue  # not an image: notes, thumbnails, ...
-                out.append((path, label))
-        if not out:
-            raise ValueError(f"{items!r} has no slides in class subfolders (folder/<class>/<slide>)")
-        return out
+        return _folder_records(items)
     if items.lower().endswith(".csv"):
-        base = os.path.dirname(os.path.abspath(items))
-        with open(items, newline="") as fh:
-            rows = [r for r in csv.reader(fh) if r and not r[0].startswith("#")]
-        if rows and rows[0][0].strip().lower() in ("path", "file", "slide"):
-            rows = rows[1:]
-        out = []
-        for r in rows:
-            if len(r) < 2:
-                raise ValueError(f"{items!r}: each row needs a path and a label, got {r}")
-            path = r[0].strip()
-            out.append((path if os.path.isabs(path) else os.path.join(base, path), int(r[1])))
-        return out
+        return _csv_records(items, columns)
     raise ValueError(f"SlideDataset takes a folder of class subfolders, a .csv of path,label rows or a list of "
                      f"(path, label); got {items!r}")
+
+
+def _folder_records(items: str) -> list[tuple[str, object]]:
+    classes = sorted(d for d in os.listdir(items) if os.path.isdir(os.path.join(items, d)))
+    out = []
+    for label, name in enumerate(classes):
+        folder = os.path.join(items, name)
+        for f in sorted(os.listdir(folder)):
+            path = os.path.join(folder, f)
+            try:
+                readers.guess_format(path)
+            except ValueError:
+                continue  # not an image: notes, thumbnails, ...
+            out.append((path, label))
+    if not out:
+        raise ValueError(f"{items!r} has no slides in class subfolders (folder/<class>/<slide>)")
+    return out
+
+
+def _csv_records(items: str, columns: tuple[str, str] | None) -> list[tuple[str, object]]:
+    """Rows of a CSV: a header row is recognised by its names (``PATH_HEADERS``, ``LABEL_HEADERS``) or
+    named by ``columns=(path column, label column)``; row numbers in errors are the file's lines."""
+    base = os.path.dirname(os.path.abspath(items))
+    with open(items, newline="") as fh:
+        rows = [(n, r) for n, r in enumerate(csv.reader(fh), 1) if r and not r[0].lstrip().startswith("#")]
+    cols = (0, 1)
+    if rows:
+        head = [c.strip().lower() for c in rows[0][1]]
+        if columns is not None:
+            wanted = [c.strip().lower() for c in columns]
+            missing = [c for c in wanted if c not in head]
+            if missing:
+                raise ValueError(f"{items!r}: its first row {rows[0][1]} has no column {missing[0]!r} of columns="
+                                 f"{tuple(columns)}; name the header's path and label columns")
+            cols = (head.index(wanted[0]), head.index(wanted[1]))
+            rows = rows[1:]
+        elif head and (head[0] in PATH_HEADERS or (len(head) > 1 and head[1] in LABEL_HEADERS)):
+            rows = rows[1:]
+    out = []
+    for n, r in rows:
+        if len(r) <= max(cols) or not r[cols[0]].strip() or not r[cols[1]].strip():
+            raise ValueError(f"{items!r} row {n}: needs a path and a label, got {r}; fix the row (or name the "
+                             "columns with columns=(path, label))")
+        path, label = r[cols[0]].strip(), r[cols[1]].strip()
+        out.append((path if os.path.isabs(path) else os.path.join(base, path), _label(label)))
+    return out
+
+
+def _label(text: str) -> object:
+    try:
+        return int(text)
+    except ValueError:
+        return text  # a class name
+
+
+def class_indices(records: list[tuple[str, object]]) -> tuple[list[tuple[str, int]], list[str] | None]:
+    """Records with integer labels, and the class names (index -> name) when the labels were names.
+
+    Integer labels stay as they are; names map to their index in sorted order. A mix is refused:
+    it is usually a typo or a shifted column."""
+    labels = [label for _, label in records]
+    bad = [(i, label) for i, label in enumerate(labels) if isinstance(label, bool) or not isinstance(label, (int, str))]
+    if bad:
+        raise ValueError(f"slide {records[bad[0][0]][0]!r} has the label {bad[0][1]!r}; labels are integer classes "
+                         "or class names")
+    names = [label for label in labels if isinstance(label, str)]
+    if not names:
+        return [(p, int(label)) for p, label in records], None
+    if len(names) != len(labels):
+        i = next(i for i, label in enumerate(labels) if not isinstance(label, str))
+        raise ValueError(f"slide {records[i][0]!r} has the integer label {labels[i]!r} among class names "
+                         f"(e.g. {names[0]!r}); give every slide a class name or every slide an integer")
+    classes = sorted(set(names))
+    index = {name: i for i, name in enumerate(classes)}
+    return [(p, index[label]) for p, label in records], classes
 
 
 class SlideDataset:
@@ -82,9 +144,16 @@ class SlideDataset:
 
     def __init__(self, items, *, level: int | None = None, mpp: float | None = None,
                  size: tuple[int, int] | None = None, augment: bool = False, seed: int = 0, threshold: int = 220,
-                 contrast: float = 0.1, brightness: float = 0.05, **source_args) -> None:
+                 contrast: float = 0.1, brightness: float = 0.05, columns: tuple[str, str] | None = None,
+                 **source_args) -> None:
         source_args.setdefault("fill", 255)
-        self.records = _records(items)
+        self.records, self.classes = class_indices(_records(items, columns))
+        """``classes``: the class names when labels were given as names (label i is ``classes[i]``; sorted),
+        else None. Folders give their subfolders' names. Keep it with a checkpoint, e.g.
+        ``net.save(path, extra={"classes": ds.classes})``."""
+        if self.classes is None and not isinstance(items, (list, tuple)) and os.path.isdir(os.fspath(items)):
+            root = os.fspath(items)
+            self.classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
         self.sources = [open_image(p, level=level, mpp=mpp, **source_args) for p, _ in self.records]
         self.boxes = [tissue_box(s, threshold) for s in self.sources]
         self.size, self.augment, self.seed = size, augment, seed

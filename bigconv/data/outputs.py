@@ -4,18 +4,30 @@ Chunks are chosen so that no chunk crosses a shard boundary: two workers never w
 writes whole chunks, so a shared chunk would lose one worker's part). Along each spatial axis the
 chunk edge divides every boundary between shards; balanced shards of an edge that the grid divides
 give chunks of up to ``max_chunk``.
+
+Nothing the user had is ever lost (issue 34). Every array written here carries ``MARK`` in its zarr
+attributes; ``overwrite=True`` replaces only such an array, never a user's folder or array, and an
+``out=`` that is, holds or lies inside an input is refused. The workers write into a temporary
+sibling (``.NAME.bigconv-partial-TOKEN``) that ``finish`` moves into place once every worker is done,
+so a failed run leaves the old output (or nothing) under the final name, never a half-written array.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import shutil
+import uuid
+import warnings
 from typing import Sequence
 
 from ..geometry.boxes import all_coords, shard_box
 
 MIN_CHUNK = 16
+MARK_KEY = "bigconv"
+MARK = {"kind": "prediction", "format": 1}
+PARTIAL = ".bigconv-partial-"
 
 
 def aligned_chunks(spatial: Sequence[int], grid: Sequence[int], max_chunk: int = 1024) -> tuple[int, ...]:
@@ -38,17 +50,85 @@ def aligned_chunks(spatial: Sequence[int], grid: Sequence[int], max_chunk: int =
     return tuple(out)
 
 
-def create(path: str, shape: Sequence[int], spatial_chunks: Sequence[int], dtype: str, overwrite: bool) -> str:
-    """An empty zarr array for the output (batch and channel chunks of 1 and all)."""
+def is_ours(path: str) -> bool:
+    """Whether ``path`` is a zarr array that bigconv wrote (its attributes carry ``MARK``)."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "zarr.json")):
+        return False
     import zarr
 
-    path = os.fspath(path)
-    if os.path.exists(path):
+    try:
+        attrs = dict(zarr.open_array(path, mode="r").attrs)
+    except Exception:  # not an array, or not readable as one: not ours either way
+        return False
+    return isinstance(attrs.get(MARK_KEY), dict) and attrs[MARK_KEY].get("kind") == MARK["kind"]
+
+
+def check_out(out, inputs: Sequence[str], overwrite: bool) -> str:
+    """The absolute ``out`` after refusing what would lose data: an ``out`` that is, holds or lies inside
+    one of ``inputs`` (paths of the sources read), and an existing ``out`` unless ``overwrite`` and bigconv
+    wrote it. Reads no pixels and sends nothing: every check runs before remote work."""
+    out = os.path.abspath(os.fspath(out))
+    real = os.path.realpath(out)
+    for src in dict.fromkeys(os.path.realpath(p) for p in inputs):
+        if real == src:
+            raise ValueError(f"out={out!r} is one of the inputs of this prediction; predict would replace the image "
+                             "it reads. Choose another out=")
+        if os.path.commonpath([real, src]) == src:
+            raise ValueError(f"out={out!r} lies inside the input {src!r}; write the prediction outside it")
+        if os.path.commonpath([real, src]) == real:
+            raise ValueError(f"out={out!r} holds the input {src!r}; write the prediction to a path of its own")
+    if os.path.lexists(out):
         if not overwrite:
-            raise ValueError(f"{path!r} exists; choose another out= or pass overwrite=True")
-        shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-    zarr.create_array(path, shape=tuple(shape), chunks=(1, shape[1], *spatial_chunks), dtype=dtype)
-    return path
+            raise ValueError(f"{out!r} exists; choose another out= or pass overwrite=True")
+        if not is_ours(out):
+            raise ValueError(f"{out!r} exists and was not written by bigconv (no {MARK_KEY!r} mark in zarr "
+                             "attributes); overwrite=True replaces only bigconv's own outputs. Choose another out= "
+                             "or move it away yourself")
+    return out
+
+
+def stale_partials(out: str) -> list[str]:
+    """Temporary siblings of ``out`` that an interrupted prediction left."""
+    folder, name = os.path.split(out)
+    return sorted(glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}{PARTIAL}*")))
+
+
+def begin(out: str, shape: Sequence[int], spatial_chunks: Sequence[int], dtype: str) -> str:
+    """An empty marked zarr array (batch and channel chunks of 1 and all) under a fresh temporary
+    sibling of ``out`` (checked by ``check_out``); the workers write into it."""
+    import zarr
+
+    stale = stale_partials(out)
+    if stale:  # another run may still be writing one: name them, never delete what may be in use
+        warnings.warn(f"temporary outputs of earlier, interrupted predictions lie beside {out!r}: "
+                      f"{', '.join(stale)}; delete them once no prediction runs", stacklevel=3)
+    folder, name = os.path.split(out)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
+    array = zarr.create_array(tmp, shape=tuple(shape), chunks=(1, shape[1], *spatial_chunks), dtype=dtype)
+    array.attrs[MARK_KEY] = MARK
+    return tmp
+
+
+def finish(tmp: str, out: str) -> str:
+    """Move the complete array ``tmp`` to ``out``, replacing an older output of ours there."""
+    if os.path.lexists(out):
+        if not is_ours(out):  # it appeared while the workers ran
+            raise ValueError(f"{out!r} appeared during the prediction and was not written by bigconv; the prediction "
+                             f"is kept at {tmp!r}")
+        old = tmp + "-old"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+    return out
+
+
+def abandon(tmp: str) -> None:
+    """Remove the partial array of a failed prediction (bigconv wrote it, under a name of its own)."""
+    if PARTIAL in os.path.basename(tmp) and os.path.isdir(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write(path: str, index: tuple, values) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -117,8 +118,13 @@ def _chw_shape(shape: tuple[int, ...], channels_last: bool | None) -> tuple[tupl
 
 def _tiff_levels(path: str) -> list[LevelInfo]:
     tifffile = _need("tifffile")
-    with tifffile.TiffFile(path) as tf:
+    try:
+        tf = tifffile.TiffFile(path)
+    except Exception as exc:
+        raise ValueError(f"{path!r} is not a readable TIFF ({type(exc).__name__}: {exc}); use an intact copy") from exc
+    with tf:
         series = tf.series[0]
+        check_tiff_structure(path, series.levels)
         page = series.pages[0] if hasattr(series, "pages") else tf.pages[0]
         mpp0 = _tiff_mpp(page)
         width0 = series.levels[0].shape[series.levels[0].axes.index("X")]
@@ -131,6 +137,61 @@ def _tiff_levels(path: str) -> list[LevelInfo]:
             out.append(LevelInfo((channels, *spatial), str(lv.dtype), mpp0 * width0 / width if mpp0 else None,
                                  axes[-1] in "SC"))
         return out
+
+
+def check_tiff_structure(path: str, tiff_levels) -> None:
+    """Refuse a TIFF whose directories (IFDs) lost their tile table or point past the end of the file:
+    tifffile opens such a file and reads its tiles as zeros, so a cut file would train as a black image.
+    Headers only: the offsets and byte counts of every page of every level, no pixel."""
+    size = os.path.getsize(path)
+    for index, lv in enumerate(tiff_levels):
+        for page in lv.pages:
+            if page is None:
+                continue
+            offsets = np.asarray(page.dataoffsets, dtype=np.int64)
+            counts = np.asarray(page.databytecounts, dtype=np.int64)
+            if offsets.size == 0 or counts.size != offsets.size or not counts.any():
+                raise ValueError(f"{path!r} is truncated or corrupt: level {index} has no table of its image data "
+                                 f"in its directory (IFD) ({size} bytes in the file); use an intact copy")
+            end = int((offsets + counts).max())
+            if end > size:
+                raise ValueError(f"{path!r} is truncated: the image data of level {index} ends at byte {end}, past "
+                                 f"the end of the file ({size} bytes); use an intact copy")
+
+
+def check_chunks(path: str, h, level: int, missing: str) -> None:
+    """Name the chunks (or shards) a zarr level's store lacks: they read as the fill value. ``missing``:
+    ``"warn"`` (zarr leaves out chunks equal to the fill value, so a sparse store is normal), ``"error"``
+    or ``"fill"`` (silent). One listing of the store, no pixel."""
+    if missing == "fill":
+        return
+    try:
+        from zarr.core.sync import sync
+
+        expected = list(h._iter_shard_keys())
+        prefix = f"{h.path}/" if h.path else ""
+
+        async def listing():
+            return {k async for k in h.store.list_prefix(h.path)}
+
+        stored = sync(listing())
+    except (AttributeError, ImportError):  # another zarr: count instead of naming
+        expected, prefix, stored = None, "", set()
+    if expected is None:
+        lacking, total = [], h.nchunks
+        count = total - h.nchunks_initialized
+    else:
+        lacking = [k for k in expected if prefix + k not in stored]
+        total, count = len(expected), len(lacking)
+    if not count:
+        return
+    names = f" ({', '.join(lacking[:5])}{', ...' if len(lacking) > 5 else ''})" if lacking else ""
+    message = (f"{path!r} level {level} lacks {count} of its {total} chunks{names}: they read as the fill value "
+               f"{h.metadata.fill_value}")
+    if missing == "error":
+        raise ValueError(f"{message}; restore them, or pass missing_chunks='fill' if the store is sparse by design")
+    warnings.warn(f"{message}. Pass missing_chunks='fill' if the store is sparse by design, 'error' to refuse it",
+                  stacklevel=3)
 
 
 def _tiff_mpp(page) -> float | None:

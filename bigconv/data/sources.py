@@ -90,8 +90,12 @@ class ImageSource:
         out_shape = (self.shape[0], *(b - a for a, b in box))
         if any(b <= a for a, b in inside):
             return np.full(out_shape, self.fill, dtype=self.stored_dtype)
-        h = readers.handle(self.format, self.path, self.level, self.key)
-        data = readers.read_inside(self.format, h, inside, self.level, self.channels_last, self.axes)
+        try:
+            h = readers.handle(self.format, self.path, self.level, self.key)
+            data = readers.read_inside(self.format, h, inside, self.level, self.channels_last, self.axes)
+        except Exception as exc:  # a worker's traceback alone names neither the slide nor the box
+            raise ValueError(f"cannot read {self.path!r} at level {self.level}, box {inside}: "
+                             f"{type(exc).__name__}: {exc}") from exc
         if inside == box:
             return data
         out = np.full(out_shape, self.fill, dtype=data.dtype)
@@ -103,6 +107,8 @@ class ImageSource:
 
         In place, into ``out`` when given: a worker's shard is converted without a second copy."""
         raw = self.read(box)
+        if raw.dtype.byteorder not in "=|":  # torch takes native byte order only (big-endian .npy files)
+            raw = raw.astype(raw.dtype.newbyteorder("="))
         if not raw.flags.writeable or any(s < 0 for s in raw.strides):  # a memmap's view, or a flipped one
             raw = raw.copy()
         data = torch.from_numpy(raw)
@@ -131,15 +137,30 @@ class ImageSource:
 def open_image(path: str | os.PathLike, level: int | None = None, *, mpp: float | None = None,
                format: str | None = None, dtype: str | torch.dtype = "float32", scale: float | None = None,
                mean: Sequence[float] | None = None, std: Sequence[float] | None = None, fill: float = 0,
-               key: str | None = None, channels_last: bool | None = None) -> ImageSource:
+               key: str | None = None, channels_last: bool | None = None,
+               missing_chunks: str = "warn") -> ImageSource:
     """A source for one image: ``level`` by index (default 0), or the level nearest ``mpp`` microns
     per pixel. Reads only headers. ``channels_last``: how a plain array (npy, zarr) stores channels
-    (None: HWC only when the last axis has at most 4 entries and the first more)."""
+    (None: HWC only when the last axis has at most 4 entries and the first more).
+
+    The file's structure is checked here, on the driver, before any remote work: a TIFF whose tile
+    table is cut or points past the end of the file is refused; chunks a zarr store lacks (they read
+    as the fill value) are named in a warning (``missing_chunks="warn"``), refused (``"error"``) or
+    accepted silently (``"fill"``, for stores sparse by design). Complex data is refused; big-endian
+    and bool data are converted as they are read."""
     path = os.fspath(path)
+    if missing_chunks not in ("warn", "error", "fill"):
+        raise ValueError(f"missing_chunks must be 'warn', 'error' or 'fill', got {missing_chunks!r}")
     fmt = format or readers.guess_format(path)
     infos = readers.levels(fmt, path, key, channels_last)
     index = _choose_level(infos, level, mpp, path)
     info = infos[index]
+    kind = np.dtype(info.dtype).kind
+    if kind not in "biuf":
+        raise ValueError(f"{path!r} stores {info.dtype} values ({'complex' if kind == 'c' else 'not real numbers'}); "
+                         "a source reads real numbers only: store the real part, magnitude or phase as its own image")
+    if fmt == "zarr":
+        readers.check_chunks(path, readers.handle(fmt, os.path.abspath(path), index, key), index, missing_chunks)
     dtype_name = _dtype(dtype, converting=scale is not None or mean is not None or std is not None)
     channels = info.shape[0]
     for name, values in (("mean", mean), ("std", std)):
@@ -223,9 +244,11 @@ class ShardRead:
     box: Box
     squeeze_channel: bool = False
     """A label map of one channel for a class-index loss: (N, *spatial), as the loss takes it."""
+    check_finite: bool = False
+    """Refuse NaN and inf in this box, naming the slide (``parallelize(check_finite=True)``)."""
 
     def read(self) -> torch.Tensor:
-        out = read_batch(self.sources, self.box)
+        out = read_batch(self.sources, self.box, self.check_finite)
         return out[:, 0] if self.squeeze_channel else out
 
     @property
@@ -235,13 +258,18 @@ class ShardRead:
         return sum(s.shape[0] * cells * np.dtype(s.stored_dtype).itemsize for s in self.sources)
 
 
-def read_batch(sources: Sequence[ImageSource], box: Box | None) -> torch.Tensor:
-    """(N, C, *box): each item converted in place into its slot of one tensor."""
+def read_batch(sources: Sequence[ImageSource], box: Box | None, check_finite: bool = False) -> torch.Tensor:
+    """(N, C, *box): each item converted in place into its slot of one tensor; with ``check_finite``, a
+    NaN or inf raises naming the source and the box (each worker checks what it read)."""
     first = sources[0]
-    box = tuple((0, n) for n in first.spatial) if box is None else box
+    box = tuple((0, n) for n in first.spatial) if box is None else tuple(tuple(b) for b in box)
     out = torch.empty((len(sources), first.shape[0], *(b - a for a, b in box)), dtype=first.torch_dtype)
     for i, s in enumerate(sources):
         s.tensor(box, out=out[i])
+        if check_finite and out.is_floating_point() and not bool(torch.isfinite(out[i]).all()):
+            bad = int((~torch.isfinite(out[i])).sum())
+            raise ValueError(f"{s.path!r}, box {box} of level {s.level}, holds {bad} NaN or infinite values "
+                             "(check_finite=True found them); clean the source")
     return out
 
 

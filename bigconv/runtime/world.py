@@ -395,7 +395,11 @@ class World:
                         late = sorted({n for n, f in futures if not f.done()})
                         if late:  # the others are probably waiting on the ones still busy
                             message = f"{', '.join(late)} did not finish {what} ({message})"
-                        if isinstance(exc, WorkerFailure) or "timed out" in str(exc) or "timeout" in str(exc):
+                        # Broken only on a structured fact: the worker raised WorkerFailure (a peer died,
+                        # stalled or left an exchange), never because its text says "timeout" (every
+                        # traceback through the reader does). Whether the others are still in step is
+                        # the caller's to judge from their futures (ParallelModel._wait).
+                        if isinstance(exc, WorkerFailure):
                             self.broken = message
                         raise WorkerFailure(message) from exc
             if all(f.done() for _, f in futures):

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .. import checks, saving
+from .agreement import agree
 from ..data import prefetch
 from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
 from ..engine.executor import join_shards
@@ -34,7 +35,7 @@ from ..saving import rng_state, set_rng_state
 from ..engine.step import ShardEngine
 from ..ops.random import random_seed
 from ..ops.support import unwrap_compiled
-from ..transport import WorkerRuntime, new_stats
+from ..transport import WorkerFailure, WorkerRuntime, new_stats
 from ..transport.p2p import P2PLink
 from ..runtime.spmd_world import SpmdWorld
 
@@ -88,6 +89,8 @@ class SpmdModel:
         self.engine = ShardEngine(model, rt, grad_group=world.grad_group, seed=int(seed_t.item()),
                                   compile=bool(compile) or compiled)
         self.model = self.engine.model
+        self._structure: tuple | None = None  # the model's names and shapes, for ``agree``
+        self._agreed: set[int] = set()  # fingerprints of the plans every rank agreed on
         with torch.no_grad():  # every rank starts from rank 0's weights, whatever its own seed made
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(t.data, src=0)
@@ -100,8 +103,11 @@ class SpmdModel:
     def opt(self):
         return self.engine.opt
 
-    def plan(self, x) -> Plan:
-        return self.planner.plan(x, self.training)
+    def plan(self, x, loss_fn=None) -> Plan:
+        """The plan of ``x``, agreed by every rank (``agree``)."""
+        plan = self.planner.plan(x, self.training)
+        agree(self, plan, x, loss_fn)
+        return plan
 
     # -- this rank's part of a batch ----------------------------------------------------------------
     def _my_items(self, n: int) -> tuple[int, int]:
@@ -115,12 +121,13 @@ class SpmdModel:
 
     def _input_read(self, plan, x) -> ShardRead:
         lo, hi = self._my_items(len(x))
-        return ShardRead(tuple(x)[lo:hi], shard_box(plan.in_shape, plan.grid, self._coord(plan.grid)))
+        return ShardRead(tuple(x)[lo:hi], shard_box(plan.in_shape, plan.grid, self._coord(plan.grid)),
+                         check_finite=self.planner.check_finite)
 
     def _target_read(self, plan, y, loss_fn) -> ShardRead:
         lo, hi = self._my_items(len(y))
         return ShardRead(tuple(y)[lo:hi], shard_box(plan.out_shape, plan.grid, self._coord(plan.grid)),
-                         class_index_targets(SourceBatch(y), loss_fn))
+                         class_index_targets(SourceBatch(y), loss_fn), self.planner.check_finite)
 
     def _read(self, read: ShardRead) -> torch.Tensor:
         return prefetch.take_or_read(read, self.world.timeout, self.stats)
@@ -211,7 +218,7 @@ class SpmdModel:
     def train_step(self, x, y, loss_fn: Callable) -> float:
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
-        plan = self.plan(x)
+        plan = self.plan(x, loss_fn)
         self.engine.begin()
         try:
             loss = self._loss_and_backward(plan, x, y, loss_fn, True)
@@ -224,7 +231,7 @@ class SpmdModel:
 
     def gradients(self, x, y, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the whole input gradient and the summed parameter gradients, on every rank."""
-        plan = self.plan(x)
+        plan = self.plan(x, loss_fn)
         self.engine.begin()
         try:
             loss = self._loss_and_backward(plan, x, y, loss_fn, "input")
@@ -267,7 +274,8 @@ class SpmdModel:
         return torch.cat(parts)
 
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
-        """Each rank writes its own output region into the zarr array at ``out`` (see the driver mode's)."""
+        """Each rank writes its own output region into the zarr array at ``out`` (see the driver mode's:
+        the same refusals, the same temporary sibling moved into place once every rank is done)."""
         from ..data import outputs
 
         plan = self.plan(x)
@@ -278,25 +286,50 @@ class SpmdModel:
             raise ValueError("predict writes a dense map, but this model's output is one vector per image; use net(x)")
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
         dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
+        inputs = [s.path for s in x] if is_source_batch(x) else []
+        path = tmp = refused = None
+        if self.world.rank == 0:  # one rank checks and creates, so the file system is asked once
+            try:
+                path = outputs.check_out(out, inputs, overwrite)
+                tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
+            except (ValueError, OSError) as exc:
+                refused = f"{type(exc).__name__}: {exc}"
+        # Every rank gets rank 0's answer: a refusal is the same ValueError everywhere, not an error on
+        # rank 0 and a closed connection on the others.
+        shared = [(path, tmp, refused)]
+        dist.broadcast_object_list(shared, src=0)
+        path, tmp, refused = shared[0]
+        if refused:
+            raise ValueError(f"predict refused on rank 0: {refused}")
+        failure = None
+        try:
+            result = self._forward(plan, self._local_input(plan, x), False)
+            lo, hi = self._my_items(len(x) if is_source_batch(x) else x.shape[0])
+            box = shard_box(plan.out_shape, plan.grid, self._coord(plan.grid))
+            outputs.write(tmp, (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box), result.cpu().numpy())
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        failures = [None] * self.world.size
+        dist.all_gather_object(failures, failure)  # collective assert: every rank learns who failed, and why
+        bad = [(r, f) for r, f in enumerate(failures) if f]
+        if bad:
+            if self.world.rank == 0:
+                outputs.abandon(tmp)
+            raise WorkerFailure(f"predict failed on rank {bad[0][0]}: {bad[0][1]}; {out!r} is as it was")
         if self.world.rank == 0:
-            outputs.create(str(out), plan.out_full_shape, chunks, dtype, overwrite)
+            outputs.finish(tmp, path)
         self.world.barrier()
-        result = self._forward(plan, self._local_input(plan, x), False)
-        lo, hi = self._my_items(len(x) if is_source_batch(x) else x.shape[0])
-        box = shard_box(plan.out_shape, plan.grid, self._coord(plan.grid))
-        outputs.write(str(out), (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box), result.cpu().numpy())
-        self.world.barrier()
-        return str(out)
+        return path
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start reading this rank's boxes of the next call's sources (``x``, and ``y`` when they are
         sources too) in a background thread while the current call computes; that call must then get
         the same arguments. Tensors need nothing: this returns at once for them. No message is sent."""
-        reads = []
+        reads = []  # the plan unchecked by the other ranks: the call that takes these reads agrees on it
         if is_source_batch(x):
-            reads.append(self._input_read(self.plan(x), x))
+            reads.append(self._input_read(self.planner.plan(x, self.training), x))
         if is_source_batch(y):
-            plan = self.plan(x)
+            plan = self.planner.plan(x, self.training)
             if plan.out_shape is not None:
                 reads.append(self._target_read(plan, y, loss_fn))
         prefetch.start(reads)
@@ -310,13 +343,14 @@ class SpmdModel:
         dist.all_gather_object(parts, self.state_dict())
         return parts[: workers or self.world.size]
 
-    def save(self, path) -> str:
-        """Rank 0 writes the file (the driver mode's format); every rank returns once it is on disk."""
+    def save(self, path, extra: dict | None = None) -> str:
+        """Rank 0 writes the file (the driver mode's format, ``extra`` included); every rank returns once
+        it is on disk."""
         rngs = [None] * self.world.size
         dist.all_gather_object(rngs, rng_state(torch.device("cpu")))
         if self.world.rank == 0:
             ck = saving.checkpoint(self.state_dict(), self.engine.optimizer_state(), self.optimizer_class, self.steps, rngs, self.world.size,
-                                   grid=list(self.grid) if self.grid else None)
+                                   grid=list(self.grid) if self.grid else None, extra=extra or {})
             saving.atomic_save(ck, path)
         self.world.barrier()
         return str(path)

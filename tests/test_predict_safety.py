@@ -1,0 +1,127 @@
+"""``predict`` never destroys what the user had (issue 34).
+
+- an ``out=`` that is, contains or lies inside one of the inputs is refused before any remote work;
+- ``overwrite=True`` replaces only an output bigconv wrote (marked in its zarr attributes), never a
+  user's folder or array;
+- a prediction is written under a temporary sibling and moved into place when every worker is done,
+  so a failed run leaves the old output as it was and no partial array behind;
+- a read error that every worker raised cleanly leaves the World usable.
+
+A failure here points to ``bigconv/data/outputs.py`` or the ``predict`` of ``parallel.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import bigconv
+from bigconv.data import open_image
+
+
+def dense() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1)).double()
+
+
+def tree(folder) -> dict:
+    """Every file under ``folder`` with its bytes."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, folder)] = fh.read()
+    return out
+
+
+@pytest.fixture
+def slide_zarr(tmp_path):
+    import zarr
+
+    rng = np.random.default_rng(0)
+    z = zarr.create_array(str(tmp_path / "in" / "slide.zarr"), shape=(3, 64, 64), chunks=(3, 32, 32), dtype="uint8")
+    z[:] = rng.integers(0, 256, size=(3, 64, 64), dtype=np.uint8)
+    return str(tmp_path / "in" / "slide.zarr")
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_predict_refuses_an_out_that_is_or_holds_an_input(world, slide_zarr, tmp_path, rpc_calls):
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    before = tree(tmp_path / "in")
+    rpc_calls.clear()
+    for out, words in ((slide_zarr, "is one of the inputs"), (os.path.join(slide_zarr, "pred.zarr"), "inside"),
+                       (str(tmp_path / "in"), "holds")):
+        with pytest.raises(ValueError, match=words):
+            net.predict(src, out=out, overwrite=True)
+    assert rpc_calls == []
+    assert tree(tmp_path / "in") == before  # not one byte of the input changed
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_overwrite_replaces_only_outputs_bigconv_wrote(world, slide_zarr, tmp_path, rpc_calls):
+    import zarr
+
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    mine = tmp_path / "results"
+    (mine / "run1").mkdir(parents=True)
+    (mine / "notes.txt").write_text("my notes")
+    (mine / "run1" / "metrics.json").write_text("{}")
+    user_array = zarr.create_array(str(tmp_path / "theirs.zarr"), shape=(4,), chunks=(4,), dtype="uint8")
+    user_array[:] = 7
+    before = tree(tmp_path)
+    rpc_calls.clear()
+    for out in (mine, tmp_path / "theirs.zarr"):
+        with pytest.raises(ValueError, match="was not written by bigconv"):
+            net.predict(src, out=out, overwrite=True)
+    assert rpc_calls == [] and tree(tmp_path) == before
+    path = net.predict(src, out=tmp_path / "pred.zarr")
+    assert zarr.open_array(path, mode="r").attrs["bigconv"]["kind"] == "prediction"
+    net.predict(src, out=path, overwrite=True)  # its own output: replaced
+    assert sorted(os.listdir(tmp_path)) == ["in", "pred.zarr", "results", "theirs.zarr"]  # no temporary left
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_a_failed_predict_leaves_the_old_output_and_a_usable_world(world, slide_zarr, tmp_path):
+    import zarr
+
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    path = net.predict(src, out=tmp_path / "pred.zarr")
+    old = zarr.open_array(path, mode="r")[:]
+    np.save(tmp_path / "gone.npy", np.zeros((3, 64, 64), np.uint8))
+    gone = [open_image(tmp_path / "gone.npy", dtype="float64", scale=1 / 255)]
+    os.unlink(tmp_path / "gone.npy")  # deleted between planning and the step
+    with pytest.raises(bigconv.WorkerFailure, match="gone.npy"):
+        net.predict(gone, out=path, overwrite=True)
+    assert np.array_equal(zarr.open_array(path, mode="r")[:], old)
+    assert sorted(os.listdir(tmp_path)) == ["in", "pred.zarr"]  # the partial array is gone too
+    assert not world.broken, world.broken  # every worker failed the same clean way
+    assert net(src).shape == (1, 2, 64, 64)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_a_read_error_on_every_worker_leaves_the_world_usable(world, slide_zarr, tmp_path, transport):
+    """Whether a World is broken comes from structured facts (a worker died, stalled or raised
+    WorkerFailure; the others still inside an exchange), never from words such as "timeout" in the
+    remote traceback (every read's traceback holds ``take_or_read(read, self.rt.timeout, ...)``)."""
+    net = bigconv.parallelize(dense(), world, grid=(2, 2), transport=transport)
+    np.save(tmp_path / "gone.npy", np.zeros((3, 64, 64), np.uint8))
+    gone = [open_image(tmp_path / "gone.npy", dtype="float64", scale=1 / 255)]
+    os.unlink(tmp_path / "gone.npy")
+    with pytest.raises(bigconv.WorkerFailure, match="gone.npy") as info:
+        net(gone)
+    assert "timeout" in str(info.value.__cause__)  # the words that once broke the World are there
+    assert not world.broken, world.broken
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    assert net(src).shape == (1, 2, 64, 64)
