@@ -24,7 +24,7 @@ LAYERS = [
     ("engine", ["bigconv.engine"]),
     ("runtime", ["bigconv.runtime"]),
     ("front ends", ["bigconv.parallel", "bigconv.planning", "bigconv.checks", "bigconv.spmd", "bigconv.diagnostics"]),
-    ("harness", ["bigconv.harness", "bigconv.verify", "bigconv.check"]),
+    ("harness", ["bigconv.harness", "bigconv.verify", "bigconv.sabotage", "bigconv.check"]),
 ]
 """Bottom to top. Data sits low because workers read their own boxes of a slide (the runtime reads
 sources)."""
