@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     p = cli.parser("experiments.verdict_panel", __doc__)
     p.add_argument("--old", default=None, help="also the verdict of bigconv/verify.py at this commit")
     p.add_argument("--only", default=None, help="models whose name contains this")
-    p.add_argument("--out", default="results/verdict_panel.jsonl")
+    p.add_argument("--out", default="results/verdict_panel.jsonl", help="JSON lines file to append the records to")
     args = p.parse_args(argv)
     old = load_old(args.old) if args.old else None
     commit, dirty = source_commit(str(ROOT))  # the code this process loaded, not the tree when a record is written

@@ -144,4 +144,9 @@ def test_the_whole_image_cnn_trains_on_bigconv_as_in_one_process(exclusive):
     model = context.ContextCNN(4).double()
     with bigconv.World(workers=4, threads_per_worker=1) as world:
         r = compare_training(model, world, x.double(), y, torch.nn.CrossEntropyLoss(), grid=(2, 2))
-    assert r["exact"], r["worst"]
+    # The global max pool sends the input gradient to one position of each tied maximum: rounding alone in one
+    # process (channels-last, a reversed batch) moves it to another, so the input gradient is ill-conditioned;
+    # every other tensor, the weights included, is within 1e-9 of its own size.
+    assert not r["wrong"], list(r["wrong"])[:3]
+    assert {(t["category"], t["tensor"]) for t in r["ill_conditioned"]} <= {("input_grad", "input")}, r["verdict"]
+    assert all(r[k] <= 1e-9 for k in ("forward", "param_grads", "loss", "weights")), r["worst"]
