@@ -133,9 +133,9 @@ def panel_runs(model: torch.nn.Module, world, x: torch.Tensor, y, loss_fn: Calla
 
 
 def run_panel(name: str, model: torch.nn.Module, world, x: torch.Tensor, y, loss_fn: Callable,
-              grid: Sequence[int], tol: float = 1e-9, runs: PanelRuns | None = None) -> dict:
-    """A JSON-ready record: the clean verdict (and, where it is ill-conditioned, the verdict again at the size
-    ``conditioned_size`` names) and the verdict under every sabotage."""
+              grid: Sequence[int], tol: float = 1e-9, runs: PanelRuns | None = None, rerun: bool = True) -> dict:
+    """A JSON-ready record: the clean verdict (and, where it is ill-conditioned and ``rerun``, the verdict again
+    at the size ``conditioned_size`` names) and the verdict under every sabotage."""
     runs = runs or panel_runs(model, world, x, y, loss_fn, grid, tol)
     clean = verdict(runs.got, runs.ref, tol, runs.states)
     record = {"model": name, "shape": list(x.shape), "grid": list(grid), "draws": runs.ref.run.drew,
@@ -144,7 +144,7 @@ def run_panel(name: str, model: torch.nn.Module, world, x: torch.Tensor, y, loss
               "wrong": [t["tensor"] for t in clean["wrong"]],
               "raw_worst": {k: clean[k] for k in ("forward", "input_grad", "param_grads", "loss", "weights")},
               "sabotaged": panel(runs.got, runs.ref, tol, runs.states, runs.other)}
-    if clean["verdict"] == ILL_CONDITIONED:  # again at a size where one process pins every tensor down
+    if rerun and clean["verdict"] == ILL_CONDITIONED:  # again at a size where one process pins every tensor down
         record["rerun"] = _rerun(model, world, x, y, loss_fn, grid, tol)
     return record
 
