@@ -83,11 +83,11 @@ def _traps(workers: int) -> list[str]:
 
 
 OPEN_CLEAN = {"smp/FPN_mobileone_s0"}
-"""Traps whose clean verdict is an open finding (see the stop note of 2026-11-26): the first version of the new
-verdict read the FPN's clean run not exact (a weight 1.45e-9 of its size off, its noise just under 1e-9), and the
-fresh-clone run of the final one failed this test again. Its sabotages are asserted; its clean verdict is
-reported as an expected failure until it is understood (a 6M-parameter model: the search for a conditioned size
-takes over 15 minutes on 2 cores, so it is not made here)."""
+"""Traps whose clean verdict is an open finding: the FPN on mobileone_s0 at 2x3x64x64 reads ill-conditioned at
+this size (its stem's BatchNorm and more; the issue expected it), with no tensor wrong, and whether a larger size
+makes it exact is not established here: the search for a conditioned size takes over 15 minutes on 2 cores for
+this 6M-parameter float64 model (the fresh-clone run of 2026-11-26 failed this test in that search). Its sabotages
+are asserted; the clean verdict is reported as an expected failure naming the tensors."""
 
 
 def _trap_panel(world, name):
