@@ -16,20 +16,15 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bigconv
+from bigconv.verify import output_leaves
 
 STEPS = 2
 OPT = dict(lr=0.05, momentum=0.9)
 
 
-def leaves(tree, prefix: str = "out") -> dict[str, torch.Tensor]:
+def leaves(tree) -> dict[str, torch.Tensor]:
     """The tensors of a nested list/tuple/dict, by path (``out[0]``, ``out['aux']``)."""
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-    found: dict = {}
-    for key, value in items:
-        found.update(leaves(value, f"{prefix}[{key!r}]"))
-    return found
+    return output_leaves(tree, "out")
 
 
 class OneProcessSyncBatchNorm(torch.nn.SyncBatchNorm):
