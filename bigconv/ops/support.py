@@ -18,7 +18,7 @@ CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, bool]:
     """The module under ``torch.compile(model)`` and whether it was compiled: the dry run and the
     shards' rules run the original module's forward (each shard compiles its own, see
-    ``bigconv.engine.step``)."""
+    ``bigconv.engine.shard``)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     if isinstance(model, OptimizedModule):

@@ -1,7 +1,7 @@
 """A driver's worker's copy of the model: its shard's engine, run on the transport the driver chose.
 
 Every worker holds the whole (small) model and a shard of the (large) image. On the ``p2p`` transport
-a step is the SPMD shard-step (``bigconv.engine.step``): halos point-to-point in the workers' process
+a step is the SPMD shard-step (``bigconv.engine.shard``): halos point-to-point in the workers' process
 group, local autograd, gradients summed in buckets while backward runs. On ``rpc`` the halos go over
 RPC and the gradients are read from the driver's distributed-autograd context. Either way they are
 **summed** over the workers (the loss of the image is the sum of shard contributions, so a replicated
@@ -23,7 +23,7 @@ from .. import losses, transport
 from ..saving import rng_state, set_rng_state
 from ..data import prefetch
 from ..data.sources import ShardRead
-from ..engine.step import ShardEngine
+from ..engine.shard import ShardEngine
 from ..ops.shards import global_shape
 from ..transport import WorkerRuntime
 from ..transport import rpc as rpc_link

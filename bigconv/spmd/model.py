@@ -32,7 +32,7 @@ from ..engine.executor import join_shards
 from ..geometry.boxes import balanced_bounds, coord_of, shard_box, validate_grid
 from ..planning import Plan, Planner, output_leaves
 from ..saving import rng_state, set_rng_state
-from ..engine.step import ShardEngine
+from ..engine.shard import ShardEngine
 from ..ops.random import random_seed
 from ..ops.support import unwrap_compiled
 from ..transport import WorkerFailure, WorkerRuntime, new_stats

@@ -1,4 +1,4 @@
-"""One shard's model and the step every front end runs on it.
+"""One shard's model and what every front end runs on it (the engine of one shard).
 
 A driver's worker (the default ``p2p`` transport) and an SPMD rank hold the same thing: the whole
 (small) model, a shard of the (large) image, a point-to-point link to the other shards, gradient
