@@ -20,7 +20,8 @@ from .runtime import worker
 from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch
 from .engine.executor import join_shards, split_shards
 from .geometry.boxes import shard_box, all_coords, validate_grid
-from .planning import Plan, Planner
+from .engine.plan import Plan
+from .planning import Planner
 from .runtime.replica import TRANSPORTS, to_payload
 from .ops.random import random_seed
 from .ops.support import unwrap_compiled

@@ -7,52 +7,18 @@ hold one, so bad input raises the same ``ValueError`` in both, before a message 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
 
 import torch
-import torch.nn as nn
-import torch.utils._pytree as pytree
+from torch import nn
 
 from . import checks, losses, saving
 from .data.sources import SourceBatch, is_source_batch, target_stand_in
 from .engine.dry_run import dry_run, meta_copy
+from .engine.plan import Plan
 from .geometry.boxes import choose_grid
 from .ops.shards import UnsupportedOperation
 from .ops.support import conv_dims
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a forward over one input shape looks like."""
-
-    grid: tuple[int, ...]
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...] | None
-    """Global spatial shape of a sharded output; None when the output is replicated (a head)."""
-    out_full_shape: tuple[int, ...]
-    outputs: tuple = ()
-    """Several outputs: each one's ``(out_shape, out_full_shape)`` in the order of ``spec``; empty for one
-    tensor (then ``out_shape`` and ``out_full_shape`` describe it)."""
-    spec: Any = None
-    """The structure of several outputs (list, tuple, dict; a ``torch.utils._pytree`` spec), else None."""
-
-    @property
-    def several(self) -> bool:
-        return self.spec is not None
-
-    def leaf_shapes(self) -> tuple:
-        """``(out_shape, out_full_shape)`` of each output tensor: one for a single tensor."""
-        return self.outputs if self.several else ((self.out_shape, self.out_full_shape),)
-
-    def rebuild(self, leaves: list) -> Any:
-        """The model's output structure around ``leaves`` (one tensor: the tensor)."""
-        return pytree.tree_unflatten(list(leaves), self.spec) if self.several else leaves[0]
-
-
-def output_leaves(out: Any) -> list:
-    """The tensors of a model's output, in the order of its plan's ``outputs`` (a tensor: itself)."""
-    return [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
 
 
 class Planner:

@@ -59,6 +59,24 @@ def shard_box(shape: Sequence[int], grid: Sequence[int], coord: Sequence[int]) -
     return tuple(balanced_bounds(n, g)[c] for n, g, c in zip(shape, grid, coord))
 
 
+def batch_share(images: int, replicas: int, replica: int) -> Interval:
+    """The images ``[lo, hi)`` of a batch of ``images`` that data-parallel replica ``replica`` of
+    ``replicas`` trains on (balanced; every replica needs one)."""
+    if images < replicas:
+        raise ValueError(f"the batch has {images} images for {replicas} replicas; give every replica at least "
+                         "one image (a larger batch, or fewer replicas)")
+    return balanced_bounds(images, replicas)[replica]
+
+
+def box_index(box: Box, dims: int, items: Interval | None = None) -> tuple[slice, ...]:
+    """The index cutting the spatial ``box`` (and, given, the images ``items``) out of a tensor of
+    ``dims`` dims whose trailing ``len(box)`` dims are spatial."""
+    lead = [slice(None)] * (dims - len(box))
+    if items is not None:
+        lead[0] = slice(*items)
+    return tuple(lead) + tuple(slice(a, b) for a, b in box)
+
+
 def box_size(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -19,27 +18,11 @@ import torch.distributed as dist
 from . import launch_env, netbind
 from .agent import WorldClosedError, pick_device
 from ..transport import process_group_timeout
+from ..transport.mesh import Mesh
 from ..transport.comm_checks import CommChecks, OrderRecorder, order_mismatches
 
 log = logging.getLogger(__name__)
 STORE_PREFIX = "bigconv-spmd"
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """This rank's place in a (replicas × spatial) mesh, with the groups it talks over."""
-
-    replicas: int
-    spatial: int
-    replica: int
-    """Which replica (batch slice) this rank works on."""
-    shard: int
-    """Which spatial shard of that replica's images this rank holds."""
-    spatial_ranks: tuple[int, ...]
-    spatial_group: object
-    replica_group: object
-    """The data-parallel group: this shard position in every replica."""
-    replica_ranks: tuple[int, ...]
 
 
 class SpmdWorld:

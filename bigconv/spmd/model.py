@@ -30,7 +30,8 @@ from ..data import prefetch
 from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
 from ..engine.executor import join_shards
 from ..geometry.boxes import balanced_bounds, coord_of, shard_box, validate_grid
-from ..planning import Plan, Planner, output_leaves
+from ..engine.plan import Plan, output_leaves
+from ..planning import Planner
 from ..saving import rng_state, set_rng_state
 from ..engine.shard import ShardEngine
 from ..ops.random import random_seed
