@@ -17,8 +17,9 @@ import torch.nn as nn
 
 from . import checks, losses, saving
 from .runtime import worker
-from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch
-from .engine.executor import join_shards, split_shards
+from .data.sources import ShardRead, SourceBatch, is_source_batch
+from .engine.executor import join_shards
+from .engine.step import OutputGradients, PerShardLoss, ShardCall, StepCommand, shard_calls
 from .geometry.boxes import shard_box, all_coords, validate_grid
 from .engine.plan import Plan
 from .planning import Planner
@@ -102,37 +103,38 @@ class ParallelModel:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x)
         dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
-        args = self._shard_args(plan, x, loss_fn if dense else None, y if dense else None, grad=True)
-        call = args[0][0]
+        shards = self._shard_calls(plan, x, y if dense else None, loss_fn)
         if self.transport == "rpc":
-            loss = self._rpc_step(plan, args, y, loss_fn, dense)
-        elif dense:  # one message per worker: the shard-step of an SPMD rank
-            loss = self._wait(self._launch(worker.dense_step, [a[:6] + (True,) for a in args]), f"step {call}")[0]
+            loss = self._rpc_step(plan, shards, y, loss_fn if dense else None, loss_fn)
+        elif dense:  # one command per worker: the shard-step of an SPMD rank
+            loss = self._wait(self._launch(worker.step, [(StepCommand(s, PerShardLoss(loss_fn)),) for s in shards]),
+                              f"step {shards[0].call}")[0]
         else:
-            loss, _ = self._loss_on_driver(plan, args, y, loss_fn, gradients=False)
+            loss, _ = self._loss_on_driver(plan, shards, y, loss_fn, grad=True, gradients=False)
         self.steps += 1
         return float(loss)
 
-    def _rpc_step(self, plan: Plan, args: list[tuple], y, loss_fn: Callable, dense: bool) -> torch.Tensor:
+    def _rpc_step(self, plan: Plan, shards: list[ShardCall], y, shard_loss, loss_fn: Callable) -> torch.Tensor:
         """The ``rpc`` transport: distributed autograd from the driver, then the gradient sum and step."""
-        call = args[0][0]
+        call = shards[0].call
         with self.world.autograd_context() as ctx:
-            results = self._wait(self._launch(worker.forward, args), f"forward of step {call}")
-            if dense:
+            results = self._wait(self._launch(worker.forward, [(s, shard_loss, True) for s in shards]),
+                                 f"forward of step {call}")
+            if shard_loss is not None:
                 loss = losses.combine(results)
             else:
                 loss = check_scalar(loss_fn(self._assemble(plan, results, grad=True), y))
             self.world.backward(ctx, loss, f"backward of step {call}")
-            self.world.call(worker.step, [(self.id, ctx)] * self.world.workers, f"optimizer step {call}")
+            self.world.call(worker.step_from_context, [(self.id, ctx)] * self.world.workers, f"optimizer step {call}")
         return loss.detach()
 
-    def _loss_on_driver(self, plan: Plan, args: list[tuple], y, loss_fn: Callable, gradients: bool):
+    def _loss_on_driver(self, plan: Plan, shards: list[ShardCall], y, loss_fn: Callable, grad, gradients: bool):
         """The ``p2p`` transport with a loss the driver computes on the whole output: the workers keep
-        their forward; the driver sends each the gradient of its part of the output; they run backward,
-        the gradient sum and the step (or, with ``gradients``, return them). Two messages per worker."""
-        call, grad = args[0][0], args[0][6]
-        outs = self._wait(self._launch(worker.keep_forward, [a[:4] + (grad,) for a in args]),
-                          f"forward of step {call}")
+        their forward; the driver sends each the gradient of its part of the output in a step command;
+        they run backward, the gradient sum and the step (or, with ``gradients``, return them). Two
+        messages per worker."""
+        call = shards[0].call
+        outs = self._wait(self._launch(worker.keep_forward, [(s, grad) for s in shards]), f"forward of step {call}")
         per_worker = outs if plan.several else [[o] for o in outs]  # each worker's output tensors
         # A dense output is joined from every worker's shard; a replicated one is worker 0's copy (the
         # others' copies count once: they get no gradient, i.e. zeros).
@@ -148,11 +150,11 @@ class ParallelModel:
         grads: list = [[None] * len(parts) for _ in range(self.world.workers)]
         for (i, w, _), g in zip(leaves, found):
             grads[w][i] = g
-        if not plan.several:  # one output: the gradient itself, as the workers have always received it
+        if not plan.several:  # one output: the gradient itself
             grads = [g[0] for g in grads]
         what = f"backward of call {call}" if gradients else f"backward and optimizer step {call}"
-        results = self._wait(self._launch(worker.backward, [(g, not gradients, gradients) for g in grads]), what)
-        return loss.detach(), results
+        commands = [(StepCommand(s, OutputGradients(g), grad=grad, gradients=gradients),) for s, g in zip(shards, grads)]
+        return loss.detach(), self._wait(self._launch(worker.step, commands), what)
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the gradient of the input and the summed parameter gradients, without a step.
@@ -162,14 +164,15 @@ class ParallelModel:
         """
         plan = self.plan(x)
         self.planner.check_loss(plan, x, y, loss_fn)
-        args = self._shard_args(plan, x, None, None, grad="input")
+        shards = self._shard_calls(plan, x)
         if self.transport == "p2p":
-            loss, parts = self._loss_on_driver(plan, args, y, loss_fn, gradients=True)
+            loss, parts = self._loss_on_driver(plan, shards, y, loss_fn, grad="input", gradients=True)
             return float(loss), join_shards([g for g, _ in parts], plan.grid), parts[0][1]
         with self.world.autograd_context() as ctx:
-            results = self._wait(self._launch(worker.forward, args), f"forward of call {args[0][0]}")
+            results = self._wait(self._launch(worker.forward, [(s, None, "input") for s in shards]),
+                                 f"forward of call {shards[0].call}")
             loss = loss_fn(self._assemble(plan, results, grad=True), y)
-            self.world.backward(ctx, loss, f"backward of call {args[0][0]}")
+            self.world.backward(ctx, loss, f"backward of call {shards[0].call}")
             parts = self.world.call(worker.gradients, [(self.id, ctx)] * self.world.workers, "reading gradients")
         input_grad = join_shards([g for g, _ in parts], plan.grid)
         params: dict[str, torch.Tensor] = {}
@@ -181,8 +184,9 @@ class ParallelModel:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The full output on the driver, without gradients."""
         plan = self.plan(x)
-        args = self._shard_args(plan, x, None, None, grad=False)
-        results = self._wait(self._launch(worker.forward, args), f"inference call {args[0][0]}")
+        shards = self._shard_calls(plan, x)
+        results = self._wait(self._launch(worker.forward, [(s, None, False) for s in shards]),
+                             f"inference call {shards[0].call}")
         return self._assemble(plan, results, grad=False)
 
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
@@ -205,15 +209,13 @@ class ParallelModel:
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
         dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
         path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-        args = self._shard_args(plan, x, None, None, grad=False)
+        shards = self._shard_calls(plan, x)
         boxes = [shard_box(plan.out_shape, plan.grid, c) for c in all_coords(plan.grid)]
         self.world.check_usable()
         tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
         try:
-            futures = [rpc.rpc_async(name, worker.predict, args=(self.id, *a[:4], tmp, box),
-                                     timeout=self.world.rpc_timeout)
-                       for name, a, box in zip(self.world.names, args, boxes)]
-            self._wait(futures, f"prediction {args[0][0]}")
+            self._wait(self._launch(worker.predict, [(s, tmp, box) for s, box in zip(shards, boxes)]),
+                       f"prediction {shards[0].call}")
         except BaseException:
             if not self.world.broken:  # a broken World's workers may still be writing: leave it, named
                 outputs.abandon(tmp)
@@ -229,32 +231,15 @@ class ParallelModel:
         plan = self.plan(x)
         # Target sources need one dense output (train_step says so); several outputs read only x ahead.
         y_reads = y if is_source_batch(y) and plan.out_shape is not None else None
-        reads = [[a[3], a[5]] for a in self._shard_args(plan, x, loss_fn, y_reads, grad=False)]
-        reads = [[r for r in pair if isinstance(r, ShardRead)] for pair in reads]
+        reads = [[r for r in (s.x, s.target) if isinstance(r, ShardRead)]
+                 for s in shard_calls(0, plan, x, y_reads, loss_fn, check_finite=self.planner.check_finite)]
         self.world.check_usable()
         futures = [rpc.rpc_async(name, worker.prefetch, args=(r,), timeout=self.world.rpc_timeout)
                    for name, r in zip(self.world.names, reads)]
         self.world.wait(futures, "starting the next reads")
 
-    def _shard_args(self, plan: Plan, x, loss_fn, y, grad: bool) -> list[tuple]:
-        call = next(self._calls)
-        if is_source_batch(x):
-            sources = tuple(x)
-            finite = self.planner.check_finite  # each worker checks the box it reads
-            xs = [ShardRead(sources, shard_box(plan.in_shape, plan.grid, c), check_finite=finite)
-                  for c in all_coords(plan.grid)]
-        else:
-            xs = split_shards(x.detach(), plan.grid)
-        ys = [None] * len(xs)
-        if is_source_batch(y):
-            squeeze = class_index_targets(SourceBatch(y), loss_fn)
-            ys = [ShardRead(tuple(y), shard_box(plan.out_shape, plan.grid, c), squeeze, self.planner.check_finite)
-                  for c in all_coords(plan.grid)]
-        elif y is not None:
-            lead = (slice(None),) * (y.dim() - len(plan.grid))
-            ys = [y[lead + tuple(slice(a, b) for a, b in shard_box(plan.out_shape, plan.grid, c))].clone()
-                  for c in all_coords(plan.grid)]
-        return [(call, plan.grid, plan.in_shape, xi, loss_fn, yi, grad) for xi, yi in zip(xs, ys)]
+    def _shard_calls(self, plan: Plan, x, y=None, loss_fn=None) -> list[ShardCall]:
+        return shard_calls(next(self._calls), plan, x, y, loss_fn, check_finite=self.planner.check_finite)
 
     def _launch(self, fn: Callable, args: list[tuple]) -> list:
         self.world.check_usable()

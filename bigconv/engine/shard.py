@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import losses, saving
+from ..data import prefetch
+from ..data.sources import ShardRead
 from ..ops.mode import ShardMode
 from ..ops.random import RandomDraws
 from ..ops.shards import ModulePath, mark
@@ -57,6 +59,10 @@ class ShardEngine:
         return self._buckets
 
     # -- forward ------------------------------------------------------------------------------------
+    def read(self, x):
+        """``x`` itself, or for a ``ShardRead`` its tensor: prefetched, or read here now."""
+        return prefetch.take_or_read(x, self.rt.timeout, self.rt.stats) if isinstance(x, ShardRead) else x
+
     def forward(self, grid: tuple[int, ...], in_shape: tuple[int, ...], x_local: torch.Tensor, grad, call: int):
         """The model on this shard; ``grad="input"`` keeps the input shard as a leaf to read its gradient."""
         self.path.stack.clear()

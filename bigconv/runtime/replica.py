@@ -21,13 +21,15 @@ from torch.nn.utils import parametrize
 
 from .. import losses, transport
 from ..saving import rng_state, set_rng_state
-from ..data import prefetch
 from ..data.sources import ShardRead
+from ..engine import step
 from ..engine.shard import ShardEngine
+from ..engine.step import OutputGradients, ShardCall, StepCommand
+from ..geometry.boxes import box_index
 from ..ops.shards import global_shape
-from ..transport import WorkerRuntime
 from ..transport import rpc as rpc_link
-from ..transport.p2p import P2PLink
+from ..transport.mesh import Mesh
+from ..transport.p2p import shard_runtime
 
 try:
     import cloudpickle
@@ -101,126 +103,98 @@ class Replica:
     def __init__(self, model: torch.nn.Module, transport_name: str, seed: int = 0, compile: bool = False) -> None:
         proc = transport.runtime()
         if transport_name == "p2p":
-            rt = WorkerRuntime(index=proc.index, workers=proc.workers, device=proc.device, timeout=proc.timeout,
-                               stats=proc.stats, grad_group=proc.grad_group, checks=proc.checks)
-            rt.link = P2PLink(None, range(proc.workers), proc.index, proc.timeout, proc.stats,
-                              device=proc.device, tag_free=proc.checks.tag_free)
+            mesh = Mesh(1, proc.workers, 0, proc.index, tuple(range(proc.workers)), None, None, (proc.index,))
+            rt = shard_runtime(mesh, proc.device, proc.timeout, proc.stats, proc.grad_group, proc.checks)
         else:
             rt = proc  # its mailbox takes the RPC pushes
         self.transport = transport_name
         self.rt = rt
         self.engine = ShardEngine(model, rt, grad_group=proc.grad_group, seed=seed, compile=compile)
         self.model = self.engine.model
-        self.kept: torch.Tensor | None = None
+        self.kept = None
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
 
     @classmethod
     def from_payload(cls, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "Replica":
         return cls(pickle.loads(payload), transport_name, seed, compile)
 
-    def _forward(self, call: int, grid, shape, x, grad) -> torch.Tensor:
-        if self.transport == "rpc":
-            self.rt.mailbox.drop_calls_before(call)
-        if isinstance(x, ShardRead):  # this worker's box, read from the file here (or already, ahead)
-            x = self._read(x)
-        try:
-            return self.engine.forward(grid, shape, x, grad, call)
-        except Exception as exc:
-            raise _located(exc, f"{self.engine.path.current} on {transport.worker_name(self.rt.index)}") from exc
+    def _located(self, exc: Exception) -> Exception:
+        return _located(exc, f"{self.engine.path.current} on {transport.worker_name(self.rt.index)}")
 
-    def forward(self, call: int, grid: tuple[int, ...], shape: tuple[int, ...], x: torch.Tensor,
-                loss_fn=None, target: torch.Tensor | None = None, grad: bool = True):
+    def _forward(self, shard: ShardCall, grad):
+        if self.transport == "rpc":
+            self.rt.mailbox.drop_calls_before(shard.call)
+        try:
+            return step.forward(self.engine, shard, grad)
+        except Exception as exc:
+            raise self._located(exc) from exc
+
+    def forward(self, shard: ShardCall, loss_fn=None, grad=True):
         """Run this shard; return the output shard, the replicated output, or (num, den) of the loss.
 
         Inference on either transport, and the forward of a step on ``rpc``."""
         try:
-            out = self._forward(call, grid, shape, x, grad)
+            out = self._forward(shard, grad)
             if loss_fn is not None:
-                if isinstance(target, ShardRead):  # this worker's box of the label maps
-                    target = self._read(target)
+                target = self.engine.read(shard.target)
+                if isinstance(shard.target, ShardRead):  # this worker's box of the label maps
                     losses.check_labels_here(loss_fn, out, target)
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
                 return num.cpu(), den
-            if not isinstance(out, torch.Tensor):  # several outputs: each as one tensor would go
-                return [self._sent(t, grad) for t in pytree.tree_leaves(out)]
             return self._sent(out, grad)
         finally:
             if self.transport == "rpc":
                 rpc_link.flush(self.rt)  # RPC pushes
 
-    def _sent(self, out: torch.Tensor, grad) -> torch.Tensor | None:
-        if global_shape(out) is None and self.rt.index != 0 and not grad:
-            return None  # replicated inference output: worker 0's copy is enough
-        return out.cpu()
+    def _sent(self, out, grad, kept: bool = False):
+        """What goes back to the driver: each output tensor on the CPU (several: a list), a replicated one
+        from worker 0 only when no gradient flows back through the other copies over RPC. An output
+        ``kept`` here for a later backward goes as plain data; its graph stays here."""
+        def one(t: torch.Tensor) -> torch.Tensor | None:
+            if global_shape(t) is None and self.rt.index != 0 and (kept or not grad):
+                return None  # worker 0's copy is the one that counts
+            return t.detach().cpu() if kept else t.cpu()
 
-    def _read(self, read: ShardRead) -> torch.Tensor:
-        return prefetch.take_or_read(read, self.rt.timeout, self.rt.stats)
+        return one(out) if isinstance(out, torch.Tensor) else [one(t) for t in pytree.tree_leaves(out)]
 
-    def predict(self, call: int, grid, shape, x, path: str, box) -> None:
+    def predict(self, shard: ShardCall, path: str, box) -> None:
         """Run this shard without gradients and write its output region into the zarr array at ``path``."""
         from ..data import outputs
 
-        out = self.forward(call, grid, shape, x, grad=False)
-        outputs.write(path, (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box), out.numpy())
+        out = self.forward(shard, grad=False)
+        outputs.write(path, box_index(box, out.dim()), out.numpy())
 
     def make_optimizer(self, cls, kwargs: dict) -> None:
         self.engine.make_optimizer(cls, kwargs)
 
-    # -- a step on the p2p transport: the shard-step of every SPMD rank -----------------------------------
-    def dense_step(self, call: int, grid, shape, x, loss_fn, target, step: bool) -> float:
-        """Forward, this shard's part of a per-shard loss, backward with the gradient sum, and (with
-        ``step``) the optimizer step: one message from the driver. Returns the whole loss."""
-        self.engine.begin()
+    # -- a step on the p2p transport: the shard-step of every SPMD rank, fed by the driver's commands ------
+    def step(self, cmd: StepCommand):
+        """The engine's shard-step for ``cmd``: the whole loss for a per-shard loss (one message from the
+        driver); for the gradients of a loss the driver took (the output kept from ``keep_forward``),
+        with ``cmd.gradients`` (this shard's input gradient, the summed parameter gradients on worker 0)."""
+        kept = None
+        if isinstance(cmd.loss, OutputGradients):
+            kept, self.kept = self.kept, None
+            if kept is None:
+                raise RuntimeError("no forward is waiting for its backward (an earlier call failed); call again")
         try:
-            out = self._forward(call, grid, shape, x, True)
-            if isinstance(target, ShardRead):
-                target = self._read(target)
-                self.engine.check_labels(loss_fn, out, target)
-            part, loss = self.engine.dense_loss(loss_fn, out, target)
-            part.backward()
-        except BaseException:
-            self.engine.abort()
-            raise
-        self.engine.end(step)
-        return float(loss)
+            result = step.run(self.engine, cmd, kept)
+        except Exception as exc:
+            raise self._located(exc) from exc
+        if cmd.gradients:
+            return result.input_grad, (result.param_grads if self.rt.index == 0 else None)
+        return None if result.loss is None else float(result.loss)
 
-    def keep_forward(self, call: int, grid, shape, x, grad) -> torch.Tensor | None:
+    def keep_forward(self, shard: ShardCall, grad):
         """The forward of a step whose loss the driver computes: the output goes back to the driver and
-        stays here, for ``backward`` with its gradient."""
+        stays here, for ``step`` with its gradient."""
         self.kept = None
-        out = self._forward(call, grid, shape, x, grad)
+        out = self._forward(shard, grad)
         self.kept = out
-        if not isinstance(out, torch.Tensor):  # several outputs: a list of what one tensor would send
-            return [None if global_shape(t) is None and self.rt.index != 0 else t.detach().cpu()
-                    for t in pytree.tree_leaves(out)]
-        return None if global_shape(out) is None and self.rt.index != 0 else out.detach().cpu()
-
-    def backward(self, grad: torch.Tensor | None, step: bool, gradients: bool = False):
-        """Backward from the kept output with the driver's gradient for it (None: zeros, for a shard
-        whose copy of a replicated head does not count), the gradient sum, and the optimizer step or,
-        with ``gradients``, (this shard's input gradient, the summed parameter gradients on worker 0)."""
-        out, self.kept = self.kept, None
-        if out is None:
-            raise RuntimeError("no forward is waiting for its backward (an earlier call failed); call again")
-        # Several outputs: one gradient per output (None: zeros), in one backward through all of them.
-        outs = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
-        grads = grad if isinstance(grad, list) else [grad]
-        pairs = [(o, g.to(o.device) if g is not None else torch.zeros_like(o))
-                 for o, g in zip(outs, grads) if o.requires_grad]
-        self.engine.begin()
-        try:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        except BaseException:
-            self.engine.abort()
-            raise
-        self.engine.end(step)
-        if gradients:
-            params = self.engine.param_grads()
-            return self.engine.input_grad(), (params if self.rt.index == 0 else None)
-        return None
+        return self._sent(out, grad, kept=True)
 
     # -- a step on the rpc transport: gradients from the driver's distributed-autograd context -----------
-    def step(self, context_id: int) -> None:
+    def step_from_context(self, context_id: int) -> None:
         self.engine.buckets.reduce(dist_autograd.get_gradients(context_id))
         self.engine.end(step=True)
 

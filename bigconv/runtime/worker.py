@@ -126,20 +126,16 @@ def prefetch(reads: list) -> None:
     ahead.start(reads)
 
 
-def dense_step(model_id: int, *args) -> float:
-    return replica(model_id).dense_step(*args)
+def step(model_id: int, cmd) -> float | tuple | None:
+    return replica(model_id).step(cmd)
 
 
 def keep_forward(model_id: int, *args):
     return replica(model_id).keep_forward(*args)
 
 
-def backward(model_id: int, *args):
-    return replica(model_id).backward(*args)
-
-
-def step(model_id: int, context_id: int) -> None:
-    replica(model_id).step(context_id)
+def step_from_context(model_id: int, context_id: int) -> None:
+    replica(model_id).step_from_context(context_id)
 
 
 def gradients(model_id: int, context_id: int):

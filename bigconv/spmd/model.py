@@ -16,28 +16,27 @@ sent anywhere.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from .. import checks, saving
 from .agreement import agree
 from ..data import prefetch
-from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
-from ..engine.executor import join_shards
-from ..geometry.boxes import balanced_bounds, coord_of, shard_box, validate_grid
+from ..data.sources import ShardRead, SourceBatch, is_source_batch
+from ..engine import step as shard_step
+from ..engine.step import PerShardLoss, StepCommand, WholeOutputLoss, gather_dense, gather_heads
+from ..geometry.boxes import batch_share, box_index, coord_of, shard_box, validate_grid
 from ..engine.plan import Plan, output_leaves
 from ..planning import Planner
 from ..saving import rng_state, set_rng_state
 from ..engine.shard import ShardEngine
 from ..ops.random import random_seed
 from ..ops.support import unwrap_compiled
-from ..transport import WorkerFailure, WorkerRuntime, new_stats
-from ..transport.p2p import P2PLink
+from ..transport import WorkerFailure, new_stats
+from ..transport.p2p import shard_runtime
 from ..runtime.spmd_world import SpmdWorld
 
 
@@ -76,15 +75,7 @@ class SpmdModel:
         self.optimizer_class: str | None = None
         self.mesh = world.mesh(replicas)
         self.stats = new_stats()
-        rt = WorkerRuntime(index=self.mesh.shard, workers=self.mesh.spatial, device=world.device,
-                           timeout=world.timeout, stats=self.stats, grad_group=world.grad_group, checks=world.checks)
-        wire = dict(device=world.device, tag_free=world.checks.tag_free)
-        rt.link = P2PLink(self.mesh.spatial_group, self.mesh.spatial_ranks, self.mesh.shard, world.timeout,
-                          self.stats, **wire)
-        if replicas > 1:
-            rt.replica, rt.replicas = self.mesh.replica, replicas
-            rt.replica_link = P2PLink(self.mesh.replica_group, self.mesh.replica_ranks, self.mesh.replica,
-                                      world.timeout, self.stats, **wire)
+        rt = shard_runtime(self.mesh, world.device, world.timeout, self.stats, world.grad_group, world.checks)
         seed_t = torch.tensor([random_seed(seed)], dtype=torch.int64)
         dist.broadcast(seed_t, src=0)  # every rank draws with rank 0's seed
         self.engine = ShardEngine(model, rt, grad_group=world.grad_group, seed=int(seed_t.item()),
@@ -111,57 +102,14 @@ class SpmdModel:
         return plan
 
     # -- this rank's part of a batch ----------------------------------------------------------------
-    def _my_items(self, n: int) -> tuple[int, int]:
-        if n < self.replicas:
-            raise ValueError(f"the batch has {n} images for {self.replicas} replicas; give every replica at least "
-                             "one image (a larger batch, or fewer replicas)")
-        return balanced_bounds(n, self.replicas)[self.mesh.replica]
+    def _items(self, x) -> tuple[int, int]:
+        """The images of the batch ``x`` (a tensor, or a list of sources) this rank's replica takes."""
+        return batch_share(len(x) if is_source_batch(x) else x.shape[0], self.replicas, self.mesh.replica)
 
-    def _coord(self, grid):
-        return coord_of(self.mesh.shard, grid)
-
-    def _input_read(self, plan, x) -> ShardRead:
-        lo, hi = self._my_items(len(x))
-        return ShardRead(tuple(x)[lo:hi], shard_box(plan.in_shape, plan.grid, self._coord(plan.grid)),
-                         check_finite=self.planner.check_finite)
-
-    def _target_read(self, plan, y, loss_fn) -> ShardRead:
-        lo, hi = self._my_items(len(y))
-        return ShardRead(tuple(y)[lo:hi], shard_box(plan.out_shape, plan.grid, self._coord(plan.grid)),
-                         class_index_targets(SourceBatch(y), loss_fn), self.planner.check_finite)
-
-    def _read(self, read: ShardRead) -> torch.Tensor:
-        return prefetch.take_or_read(read, self.world.timeout, self.stats)
-
-    def _local_input(self, plan, x) -> torch.Tensor:
-        if is_source_batch(x):
-            return self._read(self._input_read(plan, x))
-        lo, hi = self._my_items(x.shape[0])
-        box = shard_box(plan.in_shape, plan.grid, self._coord(plan.grid))
-        index = (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box)
-        return x.detach()[index].contiguous()
-
-    def _local_target(self, plan, y, loss_fn) -> torch.Tensor:
-        if is_source_batch(y):
-            return self._read(self._target_read(plan, y, loss_fn))
-        lo, hi = self._my_items(y.shape[0])
-        box = shard_box(plan.out_shape, plan.grid, self._coord(plan.grid))
-        lead = (slice(lo, hi),) + (slice(None),) * (y.dim() - len(plan.grid) - 1)
-        return y[lead + tuple(slice(a, b) for a, b in box)]
-
-    def _forward(self, plan, x_local: torch.Tensor, grad: bool) -> torch.Tensor:
+    def _shard_call(self, plan: Plan, x, y=None, loss_fn=None) -> shard_step.ShardCall:
         self._call += 1
-        return self.engine.forward(plan.grid, plan.in_shape, x_local, grad, self._call)
-
-    def _whole_batch_head(self, out: torch.Tensor) -> torch.Tensor:
-        """The replicated outputs of every replica, joined in batch order; only this replica's part
-        carries gradient (each replica's shard 0 takes the loss's gradient for its own images)."""
-        if self.replicas == 1:
-            return out
-        parts = [None] * self.replicas
-        dist.all_gather_object(parts, out.detach().cpu(), group=self.mesh.replica_group)
-        parts = [out if i == self.mesh.replica else p.to(out.device) for i, p in enumerate(parts)]
-        return torch.cat(parts)
+        return shard_step.shard_calls(self._call, plan, x, y, loss_fn, coords=[coord_of(self.mesh.shard, plan.grid)],
+                                      items=self._items(x), check_finite=self.planner.check_finite)[0]
 
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
@@ -169,110 +117,34 @@ class SpmdModel:
         self.engine.make_optimizer(cls, kwargs)
         self.optimizer_class = saving.class_name(cls)
 
-    def _loss_and_backward(self, plan, x, y, loss_fn, grad) -> torch.Tensor:
-        dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
-        out = self._forward(plan, self._local_input(plan, x), grad)
-        if dense:
-            target = self._local_target(plan, y, loss_fn)
-            if is_source_batch(y):
-                self.engine.check_labels(loss_fn, out, target)
-            part, loss = self.engine.dense_loss(loss_fn, out, target)
-            part.backward()
-            return loss
-        if plan.several:
-            return self._structured_loss(plan, out, y, loss_fn)
-        dense_map = plan.out_shape is not None
-        # A loss not computed per shard sees the whole batch's map on every rank, only this rank's shard
-        # carrying gradient: every rank backpropagates the same loss, so the sum over ranks is the
-        # single-process gradient (the driver mode gathers the map on the driver instead).
-        whole = self._gather_dense(plan, out, live=True) if dense_map else self._whole_batch_head(out)
-        loss = loss_fn(whole, y.to(out.device))
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        if dense_map or self.mesh.shard == 0:
-            loss.backward()
-        else:  # same graph, zero gradient: the halo exchanges of backward still need this rank
-            out.backward(torch.zeros_like(out))
-        return loss.detach()
-
-    def _structured_loss(self, plan, out, y, loss_fn) -> torch.Tensor:
-        """Several outputs, each joined as one would be (a dense map gathered with this rank's part live;
-        a replicated one live on shard 0 only), the loss over their structure, one backward."""
-        outs = output_leaves(out)
-        joined, idle = [], []
-        for t, (shape, _) in zip(outs, plan.outputs):
-            if shape is not None:
-                joined.append(self._gather_dense(plan, t, live=True))
-            elif self.mesh.shard == 0 or not t.requires_grad:
-                joined.append(self._whole_batch_head(t))
-            else:  # this rank's copy counts once, on shard 0; a zero gradient still runs its exchanges
-                joined.append(self._whole_batch_head(t.detach()))
-                idle.append(t)
-        loss = loss_fn(plan.rebuild(joined), pytree.tree_map(lambda t: t.to(outs[0].device), y))
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        roots = ([loss] if loss.requires_grad else []) + idle
-        if roots:
-            torch.autograd.backward(roots, [None] * (len(roots) - len(idle)) + [torch.zeros_like(t) for t in idle])
-        return loss.detach()
+    def _command(self, plan: Plan, x, y, loss_fn, **how) -> StepCommand:
+        """A per-shard loss takes this rank's box of the targets; any other loss sees the whole batch's
+        output on every rank (the driver mode gathers it on the driver instead)."""
+        if self.planner.per_shard_loss(plan, x, y, loss_fn):
+            return StepCommand(self._shard_call(plan, x, y, loss_fn), PerShardLoss(loss_fn), **how)
+        return StepCommand(self._shard_call(plan, x), WholeOutputLoss(loss_fn, y, plan), **how)
 
     def train_step(self, x, y, loss_fn: Callable) -> float:
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x, loss_fn)
-        self.engine.begin()
-        try:
-            loss = self._loss_and_backward(plan, x, y, loss_fn, True)
-        except BaseException:
-            self.engine.abort()
-            raise
-        self.engine.end(step=True)
+        loss = shard_step.run(self.engine, self._command(plan, x, y, loss_fn)).loss
         self.steps += 1
         return float(loss)
 
     def gradients(self, x, y, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the whole input gradient and the summed parameter gradients, on every rank."""
         plan = self.plan(x, loss_fn)
-        self.engine.begin()
-        try:
-            loss = self._loss_and_backward(plan, x, y, loss_fn, "input")
-        except BaseException:
-            self.engine.abort()
-            raise
-        self.engine.end(step=False)
-        params = self.engine.param_grads()
-        return float(loss), self._gather_dense(plan, self.engine.input_grad()), params
-
-    def _gather_dense(self, plan, local: torch.Tensor, grid=None, live: bool = False) -> torch.Tensor:
-        """Every rank's shard, joined into the whole batch on every rank (on the CPU); with ``live``, on
-        ``local``'s device with this rank's own part ``local`` itself, so it carries gradient."""
-        parts = [None] * self.world.size
-        dist.all_gather_object(parts, local.detach().cpu())
-        if live:
-            parts = [p.to(local.device) for p in parts]
-            parts[self.world.rank] = local
-        s = self.mesh.spatial
-        replicas = [join_shards(parts[r * s:(r + 1) * s], grid or plan.grid) for r in range(self.replicas)]
-        return torch.cat(replicas)
+        result = shard_step.run(self.engine, self._command(plan, x, y, loss_fn, grad="input", gradients=True))
+        return float(result.loss), gather_dense(self.engine, plan.grid, result.input_grad), result.param_grads
 
     def __call__(self, x) -> torch.Tensor:
         """The full output, on every rank, without gradients."""
         plan = self.plan(x)
-        out = self._forward(plan, self._local_input(plan, x), False)
-        if plan.several:
-            return plan.rebuild([self._whole(replace(plan, outputs=(), spec=None, out_shape=shape), t)
-                                 for t, (shape, _) in zip(output_leaves(out), plan.outputs)])
-        return self._whole(plan, out)
-
-    def _whole(self, plan, out: torch.Tensor) -> torch.Tensor:
-        """One output tensor of every rank, whole, on every rank."""
-        if plan.out_shape is not None:
-            return self._gather_dense(plan, out)
-        if self.replicas == 1:
-            return out.cpu()
-        parts = [None] * self.replicas
-        dist.all_gather_object(parts, out.cpu(), group=self.mesh.replica_group)
-        return torch.cat(parts)
+        out = shard_step.forward(self.engine, self._shard_call(plan, x), False)
+        return plan.rebuild([gather_dense(self.engine, plan.grid, t) if shape is not None
+                             else gather_heads(self.engine, t).cpu()
+                             for t, (shape, _) in zip(output_leaves(out), plan.leaf_shapes())])
 
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
         """Each rank writes its own output region into the zarr array at ``out`` (see the driver mode's:
@@ -304,10 +176,9 @@ class SpmdModel:
             raise ValueError(f"predict refused on rank 0: {refused}")
         failure = None
         try:
-            result = self._forward(plan, self._local_input(plan, x), False)
-            lo, hi = self._my_items(len(x) if is_source_batch(x) else x.shape[0])
-            box = shard_box(plan.out_shape, plan.grid, self._coord(plan.grid))
-            outputs.write(tmp, (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box), result.cpu().numpy())
+            result = shard_step.forward(self.engine, self._shard_call(plan, x), False)
+            box = shard_box(plan.out_shape, plan.grid, coord_of(self.mesh.shard, plan.grid))
+            outputs.write(tmp, box_index(box, result.dim(), self._items(x)), result.cpu().numpy())
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
         failures = [None] * self.world.size
@@ -326,14 +197,13 @@ class SpmdModel:
         """Start reading this rank's boxes of the next call's sources (``x``, and ``y`` when they are
         sources too) in a background thread while the current call computes; that call must then get
         the same arguments. Tensors need nothing: this returns at once for them. No message is sent."""
-        reads = []  # the plan unchecked by the other ranks: the call that takes these reads agrees on it
-        if is_source_batch(x):
-            reads.append(self._input_read(self.planner.plan(x, self.training), x))
-        if is_source_batch(y):
-            plan = self.planner.plan(x, self.training)
-            if plan.out_shape is not None:
-                reads.append(self._target_read(plan, y, loss_fn))
-        prefetch.start(reads)
+        if not (is_source_batch(x) or is_source_batch(y)):
+            return
+        plan = self.planner.plan(x, self.training)  # unchecked by the other ranks: the call taking the reads agrees
+        y_reads = y if is_source_batch(y) and plan.out_shape is not None else None
+        shard = shard_step.shard_calls(0, plan, x, y_reads, loss_fn, coords=[coord_of(self.mesh.shard, plan.grid)],
+                                       items=self._items(x), check_finite=self.planner.check_finite)[0]
+        prefetch.start([r for r in (shard.x, shard.target) if isinstance(r, ShardRead)])
 
     # -- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -96,6 +96,9 @@ class WorkerRuntime:
     ``rpc.RpcLink`` (mailboxes: the rpc transport, the dry run); whoever makes the runtime sets it."""
     replica: int = 0
     replicas: int = 1
+    mesh: Any = None
+    """This process's place among the shards and replicas (``transport.mesh.Mesh``), for whole-output
+    losses."""
     replica_link: Any = None
     """Between the replicas of one shard position (SPMD with ``replicas > 1``): for batch statistics."""
     grad_group: Any = None

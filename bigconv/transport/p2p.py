@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import Recv, Send, WorkerFailure, check_wire, numbered, wait_work
+from . import Recv, Send, WorkerFailure, WorkerRuntime, check_wire, numbered, wait_work
+from .mesh import Mesh
 
 TAG_SPAN = 64
 """Messages per pair and exchange that get their own gloo tag (NCCL ignores tags)."""
@@ -183,3 +184,16 @@ class P2PLink:
                 f"{peers} within {self.timeout:g}s: {exc}") from exc
         finally:
             self.stats["wait_s"] += time.perf_counter() - start
+
+
+def shard_runtime(mesh: Mesh, device: torch.device, timeout: float, stats: dict, grad_group, checks) -> WorkerRuntime:
+    """The runtime of one shard exchanging point-to-point (an SPMD rank, a driver's worker on ``p2p``):
+    its halo link inside its replica's spatial group and, with replicas, its link to the same shard
+    position of the other replicas (batch statistics)."""
+    rt = WorkerRuntime(index=mesh.shard, workers=mesh.spatial, device=device, timeout=timeout, stats=stats,
+                       grad_group=grad_group, checks=checks, replica=mesh.replica, replicas=mesh.replicas, mesh=mesh)
+    wire = dict(device=device, tag_free=checks.tag_free)
+    rt.link = P2PLink(mesh.spatial_group, mesh.spatial_ranks, mesh.shard, timeout, stats, **wire)
+    if mesh.replicas > 1:
+        rt.replica_link = P2PLink(mesh.replica_group, mesh.replica_ranks, mesh.replica, timeout, stats, **wire)
+    return rt
