@@ -22,7 +22,8 @@ CLIS = [
     "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
     "experiments.grad_group_cost", "experiments.host_bound",
     "experiments.maxsize", "experiments.memory_probe", "experiments.runtime_costs", "experiments.spmd_overhead",
-    "experiments.sweep", "experiments.verdict_panel", "experiments.whole_slide", "experiments.zoo_coverage",
+    "experiments.step_time_ab", "experiments.sweep", "experiments.verdict_panel", "experiments.whole_slide",
+    "experiments.zoo_coverage",
     "multidsn.train", "plots",
     "plots.alternatives", "plots.context", "plots.core", "plots.dsn", "plots.tables",
 ]
