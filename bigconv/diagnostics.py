@@ -7,45 +7,45 @@ autograd runs backward. It catches backward bugs that forward checks miss.
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
 import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 
-from . import transport
 from .transport import rpc as rpc_link
 from .engine.executor import ShardExecutor, split_shards
 from .geometry.boxes import Window, all_coords, halo_plan
 from .runtime.world import World
 
-_probe_calls = itertools.count(10**9)  # never collides with a model's call numbers
-_LEAVES: dict[int, torch.Tensor] = {}
+PROBE_CALLS = 10**9
+"""Probes' call numbers start here (plus the probe's part id): never one of a model's (they count from 1)."""
 
 
-def _exchange(call: int, grid, shape, windows, x_local: torch.Tensor, y_local: torch.Tensor):
-    x_local.requires_grad_(True)
-    _LEAVES[call] = x_local
-    try:
-        rt = transport.runtime()
-        window = ShardExecutor(grid, call, rt).gather_window(x_local, shape, windows)
-        return window.detach().clone(), (window * y_local).sum()
-    finally:
-        rpc_link.flush(rt)
+class HaloProbe:
+    """A part of each worker's host (``bigconv.runtime.host``): the two halves of the adjoint test."""
 
+    def __init__(self, host, call: int) -> None:
+        self.rt, self.call = host.rt, call
+        self.leaf: torch.Tensor | None = None
 
-def _adjoint_half(call: int, context_id: int) -> tuple[torch.Tensor, float]:
-    x = _LEAVES.pop(call)
-    grad = dist_autograd.get_gradients(context_id)[x]
-    return grad, float((x.detach() * grad).sum())
+    def exchange(self, grid, shape, windows, x_local: torch.Tensor, y_local: torch.Tensor):
+        self.leaf = x_local.requires_grad_(True)
+        try:
+            window = ShardExecutor(grid, self.call, self.rt).gather_window(x_local, shape, windows)
+            return window.detach().clone(), (window * y_local).sum()
+        finally:
+            rpc_link.flush(self.rt)
+
+    def adjoint_half(self, context_id: int) -> tuple[torch.Tensor, float]:
+        x, self.leaf = self.leaf, None
+        grad = dist_autograd.get_gradients(context_id)[x]
+        return grad, float((x.detach() * grad).sum())
 
 
 def halo_adjoint(world: World, x: torch.Tensor, grid: Sequence[int], windows: Sequence[Window],
                  seed: int = 0) -> dict:
     """Run F and F^T on ``x`` (global, ``(N, C, *spatial)``) and random windows; return both sides."""
     grid, shape = tuple(grid), tuple(x.shape[2:])
-    call = next(_probe_calls)
     gen = torch.Generator().manual_seed(seed)
     ys = []
     for coord in all_coords(grid):
@@ -53,16 +53,17 @@ def halo_adjoint(world: World, x: torch.Tensor, grid: Sequence[int], windows: Se
         size = [hi - lo + p0 + p1 for (lo, hi), (p0, p1) in zip(plan.need, plan.pad)]
         ys.append(torch.randn(*x.shape[:2], *size, generator=gen, dtype=x.dtype))
     xs = split_shards(x, grid)
-    with world.autograd_context() as ctx:
-        futures = [rpc.rpc_async(n, _exchange, args=(call, grid, shape, tuple(windows), xi, yi),
-                                 timeout=world.rpc_timeout)
-                   for n, xi, yi in zip(world.names, xs, ys)]
-        results = world.wait(futures, "halo adjoint forward")
-        forward = sum(r[1] for r in results)
-        dist_autograd.backward(ctx, [forward])
-        back = world.wait([rpc.rpc_async(n, _adjoint_half, args=(call, ctx), timeout=world.rpc_timeout)
-                           for n in world.names],
-                          "halo adjoint backward")
+    probe = world.install(HaloProbe, [(PROBE_CALLS + world.parts_installed,)] * world.workers,
+                          "installing the halo probes")
+    try:
+        with world.autograd_context() as ctx:
+            results = world.call_part(probe, "exchange", [(grid, shape, tuple(windows), xi, yi) for xi, yi in zip(xs, ys)],
+                                      "halo adjoint forward")
+            forward = sum(r[1] for r in results)
+            dist_autograd.backward(ctx, [forward])
+            back = world.call_part(probe, "adjoint_half", [(ctx,)] * world.workers, "halo adjoint backward")
+    finally:
+        world.retire(probe)
     return {
         "windows": [r[0] for r in results],
         "dual_windows": ys,

@@ -12,18 +12,16 @@ import weakref
 from typing import Callable
 
 import torch
-import torch.distributed.rpc as rpc
 import torch.nn as nn
 
 from . import checks, losses, saving
-from .runtime import worker
-from .data.sources import ShardRead, SourceBatch, is_source_batch
+from .data.sources import ShardRead, is_source_batch
 from .engine.executor import join_shards
 from .engine.step import OutputGradients, PerShardLoss, ShardCall, StepCommand, shard_calls
 from .geometry.boxes import shard_box, all_coords, validate_grid
 from .engine.plan import Plan
 from .planning import Planner
-from .runtime.replica import TRANSPORTS, to_payload
+from .runtime.replica import TRANSPORTS, Replica, to_payload
 from .ops.random import random_seed
 from .ops.support import unwrap_compiled
 from .transport import WorkerFailure
@@ -32,8 +30,6 @@ from .runtime.world import World
 P2P_SETTLE_S = 5.0
 """After a worker fails on the p2p transport, how long the others may take to finish before the World
 counts as broken."""
-
-_model_ids = itertools.count()
 
 
 class _PickFirst(torch.autograd.Function):
@@ -72,17 +68,15 @@ class ParallelModel:
         self.planner = Planner(model, self.grid, world.workers, check_finite)
         self.training = model.training
         self._calls = itertools.count(1)
-        self.id = next(_model_ids)
         self.has_optimizer = False
         self.optimizer_class: str | None = None
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
         self.seed = random_seed(seed)
         payload = to_payload(model)
-        world.drop_retired_models()  # before this one takes their memory
-        install = (self.id, payload, transport, self.seed, self.compile)
-        world.call(worker.install, [install] * world.workers, "installing the model")
-        weakref.finalize(self, world.retire_model, self.id)
+        install = (payload, transport, self.seed, self.compile)
+        self.id = world.install(Replica.install, [install] * world.workers, "installing the model")
+        weakref.finalize(self, world.retire, self.id)
 
     def plan(self, x) -> Plan:
         """``x``: the batch as a tensor (N, C, *spatial), or as a list of image sources
@@ -93,7 +87,7 @@ class ParallelModel:
     def optimizer(self, cls: type, **kwargs) -> None:
         """Create a replicated optimizer ``cls(params, **kwargs)`` on every worker."""
         checks.check_optimizer_class(cls)
-        self.world.call(worker.make_optimizer, [(self.id, cls, kwargs)] * self.world.workers, "creating the optimizer")
+        self._all("make_optimizer", (cls, kwargs), "creating the optimizer")
         self.has_optimizer = True
         self.optimizer_class = saving.class_name(cls)
 
@@ -107,7 +101,7 @@ class ParallelModel:
         if self.transport == "rpc":
             loss = self._rpc_step(plan, shards, y, loss_fn if dense else None, loss_fn)
         elif dense:  # one command per worker: the shard-step of an SPMD rank
-            loss = self._wait(self._launch(worker.step, [(StepCommand(s, PerShardLoss(loss_fn)),) for s in shards]),
+            loss = self._wait(self._launch("step", [(StepCommand(s, PerShardLoss(loss_fn)),) for s in shards]),
                               f"step {shards[0].call}")[0]
         else:
             loss, _ = self._loss_on_driver(plan, shards, y, loss_fn, grad=True, gradients=False)
@@ -118,14 +112,14 @@ class ParallelModel:
         """The ``rpc`` transport: distributed autograd from the driver, then the gradient sum and step."""
         call = shards[0].call
         with self.world.autograd_context() as ctx:
-            results = self._wait(self._launch(worker.forward, [(s, shard_loss, True) for s in shards]),
+            results = self._wait(self._launch("forward", [(s, shard_loss, True) for s in shards]),
                                  f"forward of step {call}")
             if shard_loss is not None:
                 loss = losses.combine(results)
             else:
                 loss = check_scalar(loss_fn(self._assemble(plan, results, grad=True), y))
             self.world.backward(ctx, loss, f"backward of step {call}")
-            self.world.call(worker.step_from_context, [(self.id, ctx)] * self.world.workers, f"optimizer step {call}")
+            self._all("step_from_context", (ctx,), f"optimizer step {call}")
         return loss.detach()
 
     def _loss_on_driver(self, plan: Plan, shards: list[ShardCall], y, loss_fn: Callable, grad, gradients: bool):
@@ -134,7 +128,7 @@ class ParallelModel:
         they run backward, the gradient sum and the step (or, with ``gradients``, return them). Two
         messages per worker."""
         call = shards[0].call
-        outs = self._wait(self._launch(worker.keep_forward, [(s, grad) for s in shards]), f"forward of step {call}")
+        outs = self._wait(self._launch("keep_forward", [(s, grad) for s in shards]), f"forward of step {call}")
         per_worker = outs if plan.several else [[o] for o in outs]  # each worker's output tensors
         # A dense output is joined from every worker's shard; a replicated one is worker 0's copy (the
         # others' copies count once: they get no gradient, i.e. zeros).
@@ -154,7 +148,7 @@ class ParallelModel:
             grads = [g[0] for g in grads]
         what = f"backward of call {call}" if gradients else f"backward and optimizer step {call}"
         commands = [(StepCommand(s, OutputGradients(g), grad=grad, gradients=gradients),) for s, g in zip(shards, grads)]
-        return loss.detach(), self._wait(self._launch(worker.step, commands), what)
+        return loss.detach(), self._wait(self._launch("step", commands), what)
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the gradient of the input and the summed parameter gradients, without a step.
@@ -169,11 +163,11 @@ class ParallelModel:
             loss, parts = self._loss_on_driver(plan, shards, y, loss_fn, grad="input", gradients=True)
             return float(loss), join_shards([g for g, _ in parts], plan.grid), parts[0][1]
         with self.world.autograd_context() as ctx:
-            results = self._wait(self._launch(worker.forward, [(s, None, "input") for s in shards]),
+            results = self._wait(self._launch("forward", [(s, None, "input") for s in shards]),
                                  f"forward of call {shards[0].call}")
             loss = loss_fn(self._assemble(plan, results, grad=True), y)
             self.world.backward(ctx, loss, f"backward of call {shards[0].call}")
-            parts = self.world.call(worker.gradients, [(self.id, ctx)] * self.world.workers, "reading gradients")
+            parts = self._all("gradients", (ctx,), "reading gradients")
         input_grad = join_shards([g for g, _ in parts], plan.grid)
         params: dict[str, torch.Tensor] = {}
         for _, grads in parts:  # in worker order, as the allreduce would
@@ -185,7 +179,7 @@ class ParallelModel:
         """The full output on the driver, without gradients."""
         plan = self.plan(x)
         shards = self._shard_calls(plan, x)
-        results = self._wait(self._launch(worker.forward, [(s, None, False) for s in shards]),
+        results = self._wait(self._launch("forward", [(s, None, False) for s in shards]),
                              f"inference call {shards[0].call}")
         return self._assemble(plan, results, grad=False)
 
@@ -200,21 +194,14 @@ class ParallelModel:
         from .data import outputs
 
         plan = self.plan(x)
-        if plan.several:
-            raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
-                             "use net(x) for them, or predict with a wrapper returning the one map to write")
-        if plan.out_shape is None:
-            raise ValueError("predict writes a dense map, but this model's output is one vector per image "
-                             "(replicated after pooling); use net(x) for it")
-        chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
-        dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
+        chunks, dtype = self.planner.prediction(plan, x, max_chunk)
         path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
         shards = self._shard_calls(plan, x)
         boxes = [shard_box(plan.out_shape, plan.grid, c) for c in all_coords(plan.grid)]
         self.world.check_usable()
         tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
         try:
-            self._wait(self._launch(worker.predict, [(s, tmp, box) for s, box in zip(shards, boxes)]),
+            self._wait(self._launch("predict", [(s, tmp, box) for s, box in zip(shards, boxes)]),
                        f"prediction {shards[0].call}")
         except BaseException:
             if not self.world.broken:  # a broken World's workers may still be writing: leave it, named
@@ -233,18 +220,17 @@ class ParallelModel:
         y_reads = y if is_source_batch(y) and plan.out_shape is not None else None
         reads = [[r for r in (s.x, s.target) if isinstance(r, ShardRead)]
                  for s in shard_calls(0, plan, x, y_reads, loss_fn, check_finite=self.planner.check_finite)]
-        self.world.check_usable()
-        futures = [rpc.rpc_async(name, worker.prefetch, args=(r,), timeout=self.world.rpc_timeout)
-                   for name, r in zip(self.world.names, reads)]
-        self.world.wait(futures, "starting the next reads")
+        self.world.call_part(self.id, "prefetch", [(r,) for r in reads], "starting the next reads")
 
     def _shard_calls(self, plan: Plan, x, y=None, loss_fn=None) -> list[ShardCall]:
         return shard_calls(next(self._calls), plan, x, y, loss_fn, check_finite=self.planner.check_finite)
 
-    def _launch(self, fn: Callable, args: list[tuple]) -> list:
-        self.world.check_usable()
-        return [rpc.rpc_async(name, fn, args=(self.id, *a), timeout=self.world.rpc_timeout)
-                for name, a in zip(self.world.names, args)]
+    def _launch(self, method: str, args: list[tuple]) -> list:
+        """Start ``method`` of this model's replica on every worker, worker i with ``args[i]``."""
+        return [self.world.launch_part(w, self.id, method, *a)[1] for w, a in enumerate(args)]
+
+    def _all(self, method: str, args: tuple, what: str) -> list:
+        return self.world.call_part(self.id, method, [args] * self.world.workers, what)
 
     def _wait(self, futures: list, what: str) -> list:
         """The workers' results; on the ``p2p`` transport a failure while other workers are still inside
@@ -277,10 +263,8 @@ class ParallelModel:
 
     def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
         """The weights of the first ``workers`` replicas (all by default), to check they agree."""
-        self.world.check_usable()
-        names = self.world.names[: workers or self.world.workers]
-        futures = [rpc.rpc_async(n, worker.state_dict, args=(self.id,), timeout=self.world.rpc_timeout) for n in names]
-        return self.world.wait(futures, "reading weights")
+        n = workers or self.world.workers
+        return self.world.call_part(self.id, "state_dict", [()] * n, "reading weights", workers=range(n))
 
     def save(self, path, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and generator states to ``path`` atomically.
@@ -289,8 +273,8 @@ class ParallelModel:
         data kept under ``"extra"`` (e.g. ``{"classes": dataset.classes}``).
         """
         self.world.check_usable()
-        parts = self.world.call(worker.checkpoint_state, [(self.id, i == 0) for i in range(self.world.workers)],
-                                "saving a checkpoint")
+        parts = self.world.call_part(self.id, "checkpoint_state", [(i == 0,) for i in range(self.world.workers)],
+                                     "saving a checkpoint")
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
                                grid=list(self.grid) if self.grid else None, extra=extra or {})
@@ -306,15 +290,15 @@ class ParallelModel:
         self.planner.check_checkpoint(ck, self.optimizer_class, path)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
-        self.world.call(worker.load_checkpoint, [(self.id, ck["model"], ck.get("optimizer"), r) for r in rngs],
-                        "loading a checkpoint")
+        self.world.call_part(self.id, "load_checkpoint", [(ck["model"], ck.get("optimizer"), r) for r in rngs],
+                             "loading a checkpoint")
         self.steps = int(ck.get("step", 0))
         torch.set_rng_state(ck["rng"]["driver"])
         return self
 
     def train(self, mode: bool = True) -> "ParallelModel":
         self.training = mode
-        self.world.call(worker.set_training, [(self.id, mode)] * self.world.workers, "setting train mode")
+        self._all("set_training", (mode,), "setting train mode")
         return self
 
     def eval(self) -> "ParallelModel":

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import checks, losses, saving
+from .data import outputs
 from .data.sources import SourceBatch, is_source_batch, target_stand_in
 from .engine.dry_run import dry_run, meta_copy
 from .engine.plan import Plan
@@ -107,6 +108,19 @@ class Planner:
             checks.check_structured_target(x, y, loss_fn, outs)
         else:
             checks.check_target(x, y, loss_fn, plan.out_full_shape)
+
+    @staticmethod
+    def prediction(plan: Plan, x, max_chunk: int) -> tuple[tuple[int, ...], str]:
+        """The chunks and dtype of ``predict``'s array for ``x`` (chunks never cross shards), or a
+        ValueError when this model's output is not one dense map."""
+        if plan.several:
+            raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
+                             "use net(x) for them, or predict with a wrapper returning the one map to write")
+        if plan.out_shape is None:
+            raise ValueError("predict writes a dense map, but this model's output is one vector per image "
+                             "(replicated after pooling); use net(x) for it")
+        chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
+        return chunks, str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
 
     def check_checkpoint(self, ck: dict, optimizer_class: str | None, path: str) -> None:
         """A checkpoint fits this model and its optimizer (before anything changes)."""

@@ -43,16 +43,14 @@ INJECTED = {"worker_kill_forward": "forward", "worker_kill_backward": "backward"
 
 
 # -- on worker1 (called by RPC) -------------------------------------------------------------------
-def arm(kind: str) -> None:
+def arm(host, kind: str) -> None:
     """Make this worker SIGKILL itself at the next forward, backward or gradient allreduce."""
     import torch.distributed as dist
-
-    from bigconv import transport
 
     def die(*_):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    for replica in transport.runtime().models.values():
+    for replica in (p for p in host.parts.values() if hasattr(p, "model")):
         if kind == "forward":
             replica.model.register_forward_pre_hook(die)
         elif kind == "backward":
@@ -67,7 +65,6 @@ def arm(kind: str) -> None:
 # -- the driver process -----------------------------------------------------------------------------
 def drive(scenario: str, log_path: str, timeout: float, steps: int) -> None:
     import torch
-    import torch.distributed.rpc as rpc
 
     import bigconv
     from bigconv.models import CNN2D
@@ -84,7 +81,7 @@ def drive(scenario: str, log_path: str, timeout: float, steps: int) -> None:
             if step == 2 and scenario in INJECTED:
                 # by its module's name: workers cannot unpickle a function of the driver's __main__
                 remote_arm = importlib.import_module("experiments.faults").arm
-                rpc.rpc_sync("worker1", remote_arm, args=(INJECTED[scenario],))
+                world.on_hosts(remote_arm, [(INJECTED[scenario],)], "arming worker1", workers=[1])
                 print(f"FAULT {time.time()}", flush=True)
             try:
                 net.train_step(x, y, torch.nn.CrossEntropyLoss())

@@ -40,15 +40,15 @@ def allocated_bytes() -> int:
 
 def track_forward_threads() -> None:
     """Worker side: note the thread of every forward call from now on."""
-    from bigconv.runtime import worker
+    from bigconv.runtime.replica import Replica
 
-    original = worker.forward
+    original = Replica.forward
 
-    def forward(*args):
+    def forward(*args, **kwargs):
         _THREADS.add(threading.get_native_id())
-        return original(*args)
+        return original(*args, **kwargs)
 
-    worker.forward = forward
+    Replica.forward = forward
 
 
 def snapshot() -> dict:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import weakref
 from typing import Sequence
 
 import torch
 
 from bigconv import World, saving
 
-from . import remote
+from .remote import DsnPart
 from .batch import Batch
 from .model import DSN, LossTerms, combine
 from .placement import Placement
@@ -28,7 +29,6 @@ try:
 except ImportError:  # classes must then be importable on the workers
     cloudpickle = None
 
-_model_ids = itertools.count(1000)  # apart from bigconv's model ids, in case both share a World
 
 
 class DistributedDSN:
@@ -53,7 +53,6 @@ class DistributedDSN:
             raise ValueError(f"every DSN parameter must share one dtype, found {sorted(map(str, dtypes))}")
         world.check_usable()
         self.cfg, self.world, self.dtype = cfg, world, dtypes.pop()
-        self.id = next(_model_ids)
         self.steps = 0
         self.has_optimizer = False
         self._calls = itertools.count(1)
@@ -67,8 +66,9 @@ class DistributedDSN:
         for w in range(world.workers):
             names = self.plan.modules(w) if w < need else []
             payload = dumps({n: modules[n] for n in names}) if names else None
-            args.append((self.id, cfg, payload, self.plan.groups()))
-        world.call(remote.install, args, "installing the DSN parts")
+            args.append((cfg, payload, self.plan.groups()))
+        self.id = world.install(DsnPart.install, args, "installing the DSN parts")
+        self._finalizer = weakref.finalize(self, world.retire, self.id)  # the parts go with this object
 
     @property
     def workers(self) -> list[int]:
@@ -81,7 +81,7 @@ class DistributedDSN:
         optimizer such as SGD or Adam then steps exactly as one over all parameters would)."""
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
-        self._all(remote.make_optimizer, lambda w: (self.id, cls, kwargs), "creating the optimizer")
+        self._all("make_optimizer", lambda w: (cls, kwargs), "creating the optimizer")
         self.has_optimizer = True
         self.optimizer_class = saving.class_name(cls)
 
@@ -108,16 +108,16 @@ class DistributedDSN:
             else:
                 terms, took_part = self._warmup_forward(call, step, images[0], labels, what)
             self.world.backward(ctx, terms.total, f"backward of {what}")
-            futures = [launch(self.world, w, remote.step, self.id, ctx, w in took_part) for w in self.workers]
+            futures = [launch(self.world, w, self.id, "step", ctx, w in took_part) for w in self.workers]
             wait_named(self.world, futures, f"optimizer {what}")
         self.steps += 1
         return terms.detached()
 
     def _warmup_forward(self, call: int, step: int, x_s: torch.Tensor, labels: torch.Tensor, what: str):
         p = self.plan
-        (h_c,) = wait_named(self.world, [launch(self.world, p.shared_worker(0), remote.encode, self.id, call, 0,
+        (h_c,) = wait_named(self.world, [launch(self.world, p.shared_worker(0), self.id, "encode", call, 0,
                                                 "shared", x_s, False)], f"source encoder of {what}")
-        (head, _), = wait_named(self.world, [launch(self.world, p.head_worker, remote.head, self.id, step, [h_c],
+        (head, _), = wait_named(self.world, [launch(self.world, p.head_worker, self.id, "head", step, [h_c],
                                                      labels, None)], f"head of {what}")
         return combine(self.cfg, head, [], []), {p.shared_worker(0), p.head_worker}
 
@@ -125,43 +125,43 @@ class DistributedDSN:
         """alpha = beta = 0 (DANN or MMD alone): every domain's shared code, then the head; the private encoders
         and decoders sit out (their parameters get no gradient, as in one process)."""
         p, world = self.plan, self.world
-        shared = wait_named(world, [launch(world, p.shared_worker(d), remote.encode, self.id, call, d, "shared",
+        shared = wait_named(world, [launch(world, p.shared_worker(d), self.id, "encode", call, d, "shared",
                                            images[d], False) for d in range(self.cfg.num_domains)],
                             f"shared encoders of {what}")
-        (head, _), = wait_named(world, [launch(world, p.head_worker, remote.head, self.id, step, shared, labels,
+        (head, _), = wait_named(world, [launch(world, p.head_worker, self.id, "head", step, shared, labels,
                                                 None)], f"head of {what}")
         took_part = {p.shared_worker(d) for d in range(self.cfg.num_domains)} | {p.head_worker}
         return combine(self.cfg, head, [], []), took_part
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every worker's optimizer (a schedule's step)."""
-        self._all(remote.set_lr, lambda w: (self.id, lr), "setting the learning rate")
+        self._all("set_lr", lambda w: (lr,), "setting the learning rate")
 
     def _adapting_forward(self, call: int, step: int, images: list[torch.Tensor], labels: torch.Tensor, what: str):
         p, world, D = self.plan, self.world, self.cfg.num_domains
         local = p.decoder_local
         if p.kind == "domain":
-            sep = wait_named(world, [launch(world, p.private_worker(d), remote.separate, self.id, call, d, images[d],
+            sep = wait_named(world, [launch(world, p.private_worker(d), self.id, "separate", call, d, images[d],
                                             None, local, True, not local) for d in range(D)],
                              f"domain forwards of {what}")
             shared = [s[0] for s in sep]
         else:
             # Private encoders start at once and keep their codes; shared codes come back to be routed.
-            futures = [launch(world, p.shared_worker(d), remote.encode, self.id, call, d, "shared", images[d], False)
+            futures = [launch(world, p.shared_worker(d), self.id, "encode", call, d, "shared", images[d], False)
                        for d in range(D)]
-            futures += [launch(world, p.private_worker(d), remote.encode, self.id, call, d, "private", images[d], True)
+            futures += [launch(world, p.private_worker(d), self.id, "encode", call, d, "private", images[d], True)
                         for d in range(D)]
             shared = wait_named(world, futures, f"encoders of {what}")[:D]
-            futures = [launch(world, p.private_worker(d), remote.separate, self.id, call, d, images[d], shared[d],
+            futures = [launch(world, p.private_worker(d), self.id, "separate", call, d, images[d], shared[d],
                               local, False, not local) for d in range(D)]
             if local:  # the head needs nothing from the separation step: run it alongside
-                futures.append(launch(world, p.head_worker, remote.head, self.id, step, shared, labels, None))
+                futures.append(launch(world, p.head_worker, self.id, "head", step, shared, labels, None))
             results = wait_named(world, futures, f"separation losses of {what}")
             sep = results[:D]
             if local:
                 return self._combine(sep, results[D]), set(self.workers)
         head_input = None if local else [(images[d], sep[d][1]) for d in range(D)]
-        (head,) = wait_named(world, [launch(world, p.head_worker, remote.head, self.id, step, shared, labels,
+        (head,) = wait_named(world, [launch(world, p.head_worker, self.id, "head", step, shared, labels,
                                             head_input)], f"head of {what}")
         return self._combine(sep, head), set(self.workers)
 
@@ -180,9 +180,9 @@ class DistributedDSN:
         self._check_images(x_NCHW, domain)
         p, out = self.plan, []
         for chunk in torch.split(x_NCHW.detach().to(self.dtype), batch_size):
-            (code,) = wait_named(self.world, [launch(self.world, p.shared_worker(domain), remote.encode, self.id, 0,
+            (code,) = wait_named(self.world, [launch(self.world, p.shared_worker(domain), self.id, "encode", 0,
                                                      domain, "shared", chunk, False, False)], "inference")
-            (logits,) = wait_named(self.world, [launch(self.world, p.head_worker, remote.classify, self.id, code)],
+            (logits,) = wait_named(self.world, [launch(self.world, p.head_worker, self.id, "classify", code)],
                                    "inference")
             out.append(logits)
         return torch.cat(out)
@@ -191,9 +191,9 @@ class DistributedDSN:
         """(shared, private) codes of a domain's images, no gradients (e.g. to detect collapse)."""
         self._check_images(x_NCHW, domain)
         p, x = self.plan, x_NCHW.detach().to(self.dtype)
-        futures = [launch(self.world, p.shared_worker(domain), remote.encode, self.id, 0, domain, "shared", x,
+        futures = [launch(self.world, p.shared_worker(domain), self.id, "encode", 0, domain, "shared", x,
                           False, False),
-                   launch(self.world, p.private_worker(domain), remote.encode, self.id, 0, domain, "private", x,
+                   launch(self.world, p.private_worker(domain), self.id, "encode", 0, domain, "private", x,
                           False, False)]
         h_c, h_p = wait_named(self.world, futures, "computing codes")
         return h_c, h_p
@@ -217,13 +217,13 @@ class DistributedDSN:
 
     def replica_state_dicts(self) -> list[dict[str, torch.Tensor]]:
         """Each used worker's own weights (replicas included), in worker order, to check they agree."""
-        futures = [launch(self.world, w, remote.state_dict, self.id) for w in self.workers]
+        futures = [launch(self.world, w, self.id, "state_dict") for w in self.workers]
         return wait_named(self.world, futures, "reading weights")
 
     def save(self, path, extra: dict | None = None) -> str:
         """One atomic file in the single-process layout: ``DSN.load_state_dict(ck["model"])`` and a plain
         optimizer over ``dsn.parameters()`` take ``ck["optimizer"]`` (see ``bigconv.saving``)."""
-        parts = self._all(remote.checkpoint_state, lambda w: (self.id,), "saving a checkpoint")
+        parts = self._all("checkpoint_state", lambda w: (), "saving a checkpoint")
         model: dict = {}
         for part in parts:
             for k, v in part["model"].items():
@@ -249,7 +249,7 @@ class DistributedDSN:
         saving.check_model_state(ck["model"], self._meta_state, path)
         saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"), [len(self._param_names)],
                                      self.optimizer_class, path)
-        self._all(remote.load_checkpoint, lambda w: (self.id, ck["model"], ck.get("optimizer"), self._param_names),
+        self._all("load_checkpoint", lambda w: (ck["model"], ck.get("optimizer"), self._param_names),
                   "loading a checkpoint")
         self.steps = int(ck.get("step", 0))
         torch.set_rng_state(ck["rng"]["driver"])
@@ -257,11 +257,11 @@ class DistributedDSN:
 
     def close(self) -> None:
         """Free this model's parts on the workers (the World stays up for other models)."""
-        if not self.world.broken and not self.world.closed:
-            self._all(remote.uninstall, lambda w: (self.id,), "removing the DSN parts")
+        if self._finalizer.detach() and not self.world.broken and not self.world.closed:
+            self.world.uninstall([self.id])
 
-    def _all(self, fn, args_of, what: str) -> list:
-        return wait_named(self.world, [launch(self.world, w, fn, *args_of(w)) for w in self.workers], what)
+    def _all(self, method: str, args_of, what: str) -> list:
+        return wait_named(self.world, [launch(self.world, w, self.id, method, *args_of(w)) for w in self.workers], what)
 
 
 def parallelize(dsn: DSN, world: World, placement: str = "domain", decoder: str = "domain",

@@ -6,18 +6,15 @@ rather than one per worker in worker order.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import torch.distributed.rpc as rpc
 
 from bigconv import World
-from bigconv.transport import worker_name
 
 
-def launch(world: World, worker: int, fn: Callable, *args) -> tuple[str, Any]:
-    world.check_usable()
-    name = worker_name(worker)
-    return name, rpc.rpc_async(name, fn, args=args, timeout=world.rpc_timeout)
+def launch(world: World, worker: int, part_id: int, method: str, *args) -> tuple[str, Any]:
+    """Start ``method(*args)`` of DSN part ``part_id`` on ``worker``."""
+    return world.launch_part(worker, part_id, method, *args)
 
 
 def wait_named(world: World, futures: Sequence[tuple[str, Any]], what: str) -> list[Any]:

@@ -100,7 +100,6 @@ def test_prefetched_batches_train_as_read_ones(world, folder):
     """With prefetch the workers read each batch during the step before it; the weights are the same
     bit for bit as reading in the step, and the steps wait less for their reads."""
     import bigconv
-    from bigconv.runtime import worker
 
     def run(prefetch: bool):
         torch.manual_seed(0)
@@ -109,10 +108,10 @@ def test_prefetched_batches_train_as_read_ones(world, folder):
         net = bigconv.parallelize(model, world, grid=(2, 2))
         net.optimizer(torch.optim.SGD, lr=0.1)
         ds = SlideDataset(folder, level=0, size=(128, 128), augment=True, dtype="float64", scale=1 / 255)
-        world.call(worker.reset_memory, [()] * world.workers, "resetting counters")
+        world.reset_peaks()
         for xs, ys in ds.batches(2, prefetch=net if prefetch else None):
             net.train_step(xs, ys, nn.CrossEntropyLoss())
-        stats = world.call(worker.transport_stats, [()] * world.workers, "reading counters")
+        stats = world.traffic()
         return net.state_dict(), stats
 
     plain, read_in_step = run(False)

@@ -6,6 +6,7 @@ leaves the world broken. The hard pytest timeout is the guard against the hang b
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -14,7 +15,12 @@ import torch
 import torch.nn as nn
 
 import bigconv
-from bigconv import transport
+
+
+def worker_index() -> int | None:
+    """This process's worker index in a local World (its launch spec names its rank), None elsewhere."""
+    spec = os.environ.get("BIGCONV_WORKER")
+    return json.loads(spec)["rank"] - 1 if spec else None
 
 
 class Sabotage(nn.Module):
@@ -26,8 +32,7 @@ class Sabotage(nn.Module):
 
     def forward(self, x):
         self.calls += 1
-        rt = transport._RUNTIME
-        if rt is not None and rt.index == self.victim and self.calls >= self.from_call:
+        if worker_index() == self.victim and self.calls >= self.from_call:
             if self.action == "die":
                 os._exit(7)
             if self.action == "die_in_backward":
@@ -42,8 +47,7 @@ class StallingSGD(torch.optim.SGD):
 
     def step(self, closure=None):
         self.calls = getattr(self, "calls", 0) + 1
-        rt = transport._RUNTIME
-        if rt is not None and rt.index == 1 and self.calls >= 2:
+        if worker_index() == 1 and self.calls >= 2:
             time.sleep(3600)
         return super().step(closure)
 

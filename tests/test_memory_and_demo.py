@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 import bigconv
-from bigconv.runtime import worker
 from bigconv.engine.executor import own_padding
 from bigconv.geometry.boxes import Window, halo_plan, shard_box
 from bigconv.memory import PeakMeter
@@ -58,7 +57,7 @@ def test_a_model_gone_on_the_driver_frees_its_replicas(world):
         ids.append(train_one())  # the net is gone when train_one returns
         gc.collect()
         rss.append(rss_mib())
-    installed = world.call(worker.installed_models, [()] * world.workers, "listing models")
+    installed = world.installed_parts()
     for models in installed:
         assert ids[-1] in models and not set(ids[:-1]) & set(models), (ids, installed)
     grown = [after - before for before, after in zip(rss[1], rss[-1])]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 OPENED: Counter = Counter()
-_HANDLES: dict[tuple, object] = {}
+_HANDLE_CACHE: dict[tuple, object] = {}
+"""A cache, not state: each process's open handles by (format, path, level, key), reopened on demand."""
 _LOCK = threading.Lock()
 
 TIFF_SUFFIXES = (".tif", ".tiff", ".svs", ".ome.tif", ".ome.tiff", ".btf", ".tf8")
@@ -67,10 +68,10 @@ def handle(fmt: str, path: str, level: int, key: str | None):
     """This process's open handle of one level (opened on first use, then reused)."""
     ident = (fmt, path, level, key)
     with _LOCK:
-        if ident not in _HANDLES:
-            _HANDLES[ident] = _open(fmt, path, level, key)
+        if ident not in _HANDLE_CACHE:
+            _HANDLE_CACHE[ident] = _open(fmt, path, level, key)
             OPENED[ident] += 1
-        return _HANDLES[ident]
+        return _HANDLE_CACHE[ident]
 
 
 def _open(fmt: str, path: str, level: int, key: str | None):

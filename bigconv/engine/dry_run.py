@@ -26,7 +26,7 @@ from ..ops.mode import ShardMode
 from ..ops.sync_norm import adopt as adopt_sync_batchnorm
 from ..ops import whole
 from ..transport import Mailbox, WorkerFailure, WorkerRuntime
-from ..transport.rpc import RpcLink
+from ..transport.rpc import LocalLink
 
 DRY_RUN_TIMEOUT_S = 60.0
 """A shard of the dry run waiting this long on another is a bug in bigconv, not the user's model."""
@@ -146,13 +146,10 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
     planned: list = []
     errors: list = [None] * len(coords)
 
-    def deliver(dst: int, key, tensor: torch.Tensor) -> None:
-        mailboxes[dst].put(key, tensor)
-
     def shard(index: int) -> None:
         rt = WorkerRuntime(index=index, workers=len(coords), device=torch.device("meta"), timeout=DRY_RUN_TIMEOUT_S,
-                           mailbox=mailboxes[index], send=deliver)
-        rt.link = RpcLink(rt)  # delivers into the other shards' mailboxes, in this process
+                           mailbox=mailboxes[index])
+        rt.link = LocalLink(rt, mailboxes)  # delivers into the other shards' mailboxes, in this process
         model = copy.deepcopy(meta).train(training)
         path = ModulePath(model)
         whole.install(model)  # after the path's hooks, as on the workers

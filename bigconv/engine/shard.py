@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import losses, saving
-from ..data import prefetch
 from ..data.sources import ShardRead
 from ..ops.mode import ShardMode
 from ..ops.random import RandomDraws
@@ -61,7 +60,7 @@ class ShardEngine:
     # -- forward ------------------------------------------------------------------------------------
     def read(self, x):
         """``x`` itself, or for a ``ShardRead`` its tensor: prefetched, or read here now."""
-        return prefetch.take_or_read(x, self.rt.timeout, self.rt.stats) if isinstance(x, ShardRead) else x
+        return self.rt.reads.take_or_read(x, self.rt.timeout, self.rt.stats) if isinstance(x, ShardRead) else x
 
     def forward(self, grid: tuple[int, ...], in_shape: tuple[int, ...], x_local: torch.Tensor, grad, call: int):
         """The model on this shard; ``grad="input"`` keeps the input shard as a leaf to read its gradient."""

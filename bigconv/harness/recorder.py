@@ -264,28 +264,34 @@ class Recorder:
         rec["util_samples"] = len(samples)
 
 
-# -- worker-side entry points (run with World.call) --------------------------------------------------
-_WORKER: Recorder | None = None
+# -- on the workers: a part of each worker's host (bigconv.runtime.host) -----------------------------
+class WorkerRecording:
+    """A ``Recorder`` running on one worker, from its install (peaks and traffic counts reset) to ``stop``."""
+
+    def __init__(self, host, enabled: bool = True, interval_s: float = 0.2) -> None:
+        host.reset_peaks()
+        self.stats = host.rt.stats
+        self.recorder = Recorder(host.rt.device, enabled=enabled, interval_s=interval_s).start()
+
+    def stop(self) -> dict:
+        """Stop recording; this worker's record, with its halo traffic since the start."""
+        stats = self.stats
+        halo = {"halo_messages": stats["messages"], "halo_sent_bytes": stats["bytes"],
+                "halo_recv_bytes": stats["recv_bytes"], "halo_wait_s": stats["wait_s"]}
+        return self.recorder.stop(halo)
 
 
-def worker_start(enabled: bool = True, interval_s: float = 0.2) -> None:
-    """Reset this worker's peaks and traffic counters and start recording."""
-    from bigconv import transport
-    from bigconv.runtime import worker
-
-    global _WORKER
-    worker.reset_memory()
-    _WORKER = Recorder(transport.runtime().device, enabled=enabled, interval_s=interval_s).start()
+def start_recording(world, enabled: bool = True) -> int:
+    """Start a ``WorkerRecording`` on every worker of ``world``; the part's id, for ``stop_recording``."""
+    return world.install(WorkerRecording, [(enabled,)] * world.workers, "starting the recorders")
 
 
-def worker_stop() -> dict:
-    """Stop recording; this worker's record, with its halo traffic since ``worker_start``."""
-    from bigconv import transport
-
-    stats = transport.runtime().stats
-    halo = {"halo_messages": stats["messages"], "halo_sent_bytes": stats["bytes"],
-            "halo_recv_bytes": stats["recv_bytes"], "halo_wait_s": stats["wait_s"]}
-    return _WORKER.stop(halo) if _WORKER is not None else halo
+def stop_recording(world, part_id: int) -> list[dict]:
+    """Every worker's record since ``start_recording``; the recorders are removed."""
+    try:
+        return world.call_part(part_id, "stop", [()] * world.workers, "stopping the recorders")
+    finally:
+        world.retire(part_id)
 
 
 def limit_memory(budget_bytes: int, device: torch.device | str = "cpu") -> dict:
@@ -310,7 +316,6 @@ def limit_memory(budget_bytes: int, device: torch.device | str = "cpu") -> dict:
     return {"budget_enforced_by": "rlimit_data", "rlimit_data_bytes": limit}
 
 
-def worker_limit_memory(budget_bytes: int) -> dict:
-    from bigconv import transport
-
-    return limit_memory(budget_bytes, transport.runtime().device)
+def worker_limit_memory(host, budget_bytes: int) -> dict:
+    """``limit_memory`` on a worker (``World.on_hosts``)."""
+    return limit_memory(budget_bytes, host.rt.device)

@@ -170,9 +170,9 @@ def run_dsn(cfg: RunConfig, world=None) -> dict:
                                        timeout=max(60.0, cfg.timeout_s / 3))
         try:
             bench.run_steps(8 * 2**cfg.depth, cfg.targets, placement=placement, world=world, **warm)
-            world.call(recorder.worker_start, [(cfg.record,)] * world.workers, "starting the recorders")
+            recording = recorder.start_recording(world, cfg.record)
             r = bench.run_steps(cfg.size, cfg.targets, placement=placement, world=world, **kwargs)
-            per = world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders")
+            per = recorder.stop_recording(world, recording)
         finally:
             if own:
                 world.close()

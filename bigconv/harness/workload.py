@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 import bigconv
-from bigconv.runtime import worker
 from bigconv.memory import PeakMeter
 from bigconv.provenance import ROOT, source_commit
 from bigconv.runtime.world import WORKER_ENV
@@ -131,12 +130,11 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
     """
     if warm:
         train_distributed(warmup_workload(w), world, grid=None, warm=False, transport=transport)
-    limits = (world.call(recorder.worker_limit_memory, [(budget_bytes,)] * world.workers, "capping memory")
+    limits = (world.on_hosts(recorder.worker_limit_memory, [(budget_bytes,)] * world.workers, "capping memory")
               if budget_bytes else None)
-    if record:
-        world.call(recorder.worker_start, [()] * world.workers, "starting the recorders")
-    elif warm:
-        world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
+    recording = recorder.start_recording(world) if record else None
+    if warm and not record:
+        world.reset_peaks()
     model, x, y = w.build()
     net = bigconv.parallelize(model, world, grid=tuple(grid) if grid else None, transport=transport)
     net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
@@ -147,10 +145,9 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
         loss = net.train_step(x, y, loss_fn)
         if step:
             times.append(time.perf_counter() - t0)
-    recs = (world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders") if record
-            else [{}] * world.workers)
-    mem = world.call(worker.memory, [()] * world.workers, "reading memory")
-    traffic = world.call(worker.transport_stats, [()] * world.workers, "reading transport stats")
+    recs = recorder.stop_recording(world, recording) if record else [{}] * world.workers
+    mem = world.memory()
+    traffic = world.traffic()
     return {"grid": list(net.plan(x).grid), "step_s": min(times) if times else None, "step_times_s": times,
             "loss": loss, "transport": transport,
             "workers": world.workers, "warm_baseline": warm, "budget": limits[0] if limits else None,

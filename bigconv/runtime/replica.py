@@ -27,6 +27,7 @@ from ..engine.shard import ShardEngine
 from ..engine.step import OutputGradients, ShardCall, StepCommand
 from ..geometry.boxes import box_index
 from ..ops.shards import global_shape
+from ..transport import WorkerRuntime
 from ..transport import rpc as rpc_link
 from ..transport.mesh import Mesh
 from ..transport.p2p import shard_runtime
@@ -100,11 +101,12 @@ do) or ``rpc`` (halos pushed over RPC, backward by distributed autograd from the
 class Replica:
     """This worker's copy of one model and its shard's engine, on the transport the driver chose."""
 
-    def __init__(self, model: torch.nn.Module, transport_name: str, seed: int = 0, compile: bool = False) -> None:
-        proc = transport.runtime()
+    def __init__(self, proc: WorkerRuntime, model: torch.nn.Module, transport_name: str, seed: int = 0,
+                 compile: bool = False) -> None:
+        """``proc``: the worker process's runtime (its host's)."""
         if transport_name == "p2p":
             mesh = Mesh(1, proc.workers, 0, proc.index, tuple(range(proc.workers)), None, None, (proc.index,))
-            rt = shard_runtime(mesh, proc.device, proc.timeout, proc.stats, proc.grad_group, proc.checks)
+            rt = shard_runtime(mesh, proc.device, proc.timeout, proc.stats, proc.grad_group, proc.checks, proc.reads)
         else:
             rt = proc  # its mailbox takes the RPC pushes
         self.transport = transport_name
@@ -115,8 +117,15 @@ class Replica:
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
 
     @classmethod
-    def from_payload(cls, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "Replica":
-        return cls(pickle.loads(payload), transport_name, seed, compile)
+    def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "Replica":
+        """The part a ``WorkerHost`` holds for one model (``World.install``)."""
+        return cls(host.rt, pickle.loads(payload), transport_name, seed, compile)
+
+    def set_training(self, mode: bool) -> None:
+        self.model.train(mode)
+
+    def prefetch(self, reads: list) -> None:
+        self.rt.reads.start(reads)
 
     def _located(self, exc: Exception) -> Exception:
         return _located(exc, f"{self.engine.path.current} on {transport.worker_name(self.rt.index)}")

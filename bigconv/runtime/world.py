@@ -28,6 +28,8 @@ import torch.distributed.rpc.api as rpc_api
 from . import launch_env, netbind
 from .agent import RPC_STORE_KEY, WorldClosedError, check_gpus_per_rank, quiet_rpc_init, rpc_options
 from ..geometry.boxes import check_positive_int
+from .host import WorkerHost, on_host, on_part
+from .worker import RELEASE_KEY, RELEASED_KEY
 from ..transport import WorkerFailure, worker_name
 from ..transport.comm_checks import CommChecks, order_mismatches
 
@@ -79,24 +81,15 @@ def _fresh_rpc_counters() -> None:
     rpc_api._all_gather_sequence_id_to_states.clear()
 
 
-_OPEN: "World | None" = None
-
-
-def _claim_process(world: "World") -> None:
-    """One World per process: a process holds one RPC agent (``torch.distributed.rpc``)."""
-    global _OPEN
-    if _OPEN is not None and not _OPEN.closed:
+def _claim_process() -> None:
+    """One World per process: a process holds one RPC agent (``torch.distributed.rpc``), and torch knows
+    whether it has one."""
+    if rpc.api._is_current_rpc_agent_set():
         raise ValueError(
-            f"this process already has an open {_OPEN!r}; a process can hold one RPC agent, so close it first "
-            "(world.close(), or open worlds with `with bigconv.World(...) as world:`)"
+            "this process already has an open World (or an RPC agent torch.distributed.rpc started for other "
+            "code); a process can hold one RPC agent, so close it first (world.close(), or open worlds with "
+            "`with bigconv.World(...) as world:`)"
         )
-    _OPEN = world
-
-
-def _release_process(world: "World") -> None:
-    global _OPEN
-    if _OPEN is world:
-        _OPEN = None
 
 
 # What TensorPipe writes to stderr when a peer closes a pipe while the agent still reads from it.
@@ -187,12 +180,8 @@ class World:
         self._start_bookkeeping()
         self._store = None
         self.worker_env = dict(WORKER_ENV if worker_env is None else worker_env)
-        _claim_process(self)
-        try:
-            self._start_local(startup_timeout)
-        except BaseException:
-            _release_process(self)
-            raise
+        _claim_process()
+        self._start_local(startup_timeout)
 
     def _start_bookkeeping(self) -> None:
         """What every new world starts with, whether it spawned its workers or a launcher did."""
@@ -200,7 +189,9 @@ class World:
         self._procs: list[subprocess.Popen] = []
         self._closed = self._closing = False
         self._orphan_contexts: list[int] = []  # contexts left when the world broke; see autograd_context
-        self._retired_models: list[int] = []  # parallel models gone on the driver; see retire_model
+        self._retired_parts: list[int] = []  # parts whose owner is gone on the driver; see retire
+        self._next_part = 0  # one id space for every part on this world's workers
+        self._hosts: list = []  # each worker's WorkerHost, as an RRef (bigconv.runtime.host)
 
     # -- startup -----------------------------------------------------------------------------
     def _start_local(self, startup_timeout: float) -> None:
@@ -227,6 +218,7 @@ class World:
         try:
             with netbind.bound_to(ifname):
                 self._init_driver_rpc(startup_timeout)
+            self._start_hosts()
         except BaseException:
             self._kill_local()
             raise
@@ -305,16 +297,13 @@ class World:
         self.device = device
         self.threads_per_worker = threads
         self._start_bookkeeping()
-        _claim_process(self)
-        try:
-            self._store = netbind.host_store(info.master_addr, info.port, timeout)
-            _fresh_rpc_counters()
-            options = rpc_options(netbind.rendezvous_url(self._store, RPC_STORE_KEY), self.workers, timeout)
-            with netbind.bound_to(ifname), quiet_rpc_init():
-                rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size, rpc_backend_options=options)
-        except BaseException:
-            _release_process(self)
-            raise
+        _claim_process()
+        self._store = netbind.host_store(info.master_addr, info.port, timeout)
+        _fresh_rpc_counters()
+        options = rpc_options(netbind.rendezvous_url(self._store, RPC_STORE_KEY), self.workers, timeout)
+        with netbind.bound_to(ifname), quiet_rpc_init():
+            rpc.init_rpc(DRIVER, rank=0, world_size=info.world_size, rpc_backend_options=options)
+        self._start_hosts()
         return self
 
     # -- calls ----------------------------------------------------------------------------------
@@ -358,6 +347,79 @@ class World:
         futures = [rpc.rpc_async(name, fn, args=args, timeout=self.rpc_timeout)
                    for name, args in zip(self.names, args_per_worker)]
         return self.wait(futures, what)
+
+    # -- the workers' hosts and their parts (bigconv.runtime.host) ---------------------------------
+    def _start_hosts(self) -> None:
+        """Create every worker's host (at once: each creates the gradient group, a collective), then
+        tell each every worker's mailbox. On failure the driver's RPC agent goes, so a new World can start."""
+        try:
+            self._connect_hosts()
+        except BaseException:
+            rpc.shutdown(graceful=False)
+            raise
+
+    def _connect_hosts(self) -> None:
+        self._hosts = [rpc.remote(name, WorkerHost, args=(i, self.workers, self.timeout, self.checks.text()),
+                                  timeout=self.rpc_timeout) for i, name in enumerate(self.names)]
+        mailboxes = self.on_hosts(WorkerHost.mailbox, [()] * self.workers, "starting the workers' hosts")
+        self.on_hosts(WorkerHost.connect, [(mailboxes,)] * self.workers, "connecting the workers")
+
+    def launch_on_host(self, worker: int, fn: Callable, *args) -> tuple[str, Any]:
+        """Start ``fn(host, *args)`` on ``worker`` (``fn``: a ``WorkerHost`` method or a module function
+        taking the host first); a ``(name, future)`` pair for ``wait_named``."""
+        self.check_usable()
+        name = worker_name(worker)
+        return name, rpc.rpc_async(name, on_host, args=(self._hosts[worker], fn, args), timeout=self.rpc_timeout)
+
+    def on_hosts(self, fn: Callable, args_per_worker: Sequence[tuple], what: str,
+                 workers: Sequence[int] | None = None) -> list[Any]:
+        """``fn(host, *args)`` on every worker (or ``workers``), worker i with ``args_per_worker[i]``."""
+        workers = range(self.workers) if workers is None else workers
+        return self.wait_named([self.launch_on_host(w, fn, *a) for w, a in zip(workers, args_per_worker)], what)
+
+    def launch_part(self, worker: int, part_id: int, method: str, *args) -> tuple[str, Any]:
+        """Start ``method(*args)`` of part ``part_id`` on ``worker``; a ``(name, future)`` pair."""
+        self.check_usable()
+        name = worker_name(worker)
+        return name, rpc.rpc_async(name, on_part, args=(self._hosts[worker], part_id, method, args),
+                                   timeout=self.rpc_timeout)
+
+    def call_part(self, part_id: int, method: str, args_per_worker: Sequence[tuple], what: str,
+                  workers: Sequence[int] | None = None) -> list[Any]:
+        workers = range(self.workers) if workers is None else workers
+        return self.wait_named([self.launch_part(w, part_id, method, *a) for w, a in zip(workers, args_per_worker)],
+                               what)
+
+    @property
+    def parts_installed(self) -> int:
+        """How many parts this world has installed so far (the next one's id)."""
+        return self._next_part
+
+    def install(self, factory: Callable, args_per_worker: Sequence[tuple], what: str) -> int:
+        """Install ``factory(host, *args)`` on every worker as one new part; its id."""
+        part_id, self._next_part = self._next_part, self._next_part + 1
+        self.drop_retired()  # before this part takes their memory
+        self.on_hosts(WorkerHost.install, [(part_id, factory, *a) for a in args_per_worker], what)
+        return part_id
+
+    def uninstall(self, part_ids: Sequence[int]) -> None:
+        self.on_hosts(WorkerHost.uninstall, [(list(part_ids),)] * self.workers, "removing parts")
+
+    def installed_parts(self) -> list[list[int]]:
+        """The ids of the parts each worker holds."""
+        return self.on_hosts(WorkerHost.installed, [()] * self.workers, "listing the workers' parts")
+
+    def reset_peaks(self) -> None:
+        """Every worker starts a new memory peak and new traffic counts from what it holds now."""
+        self.on_hosts(WorkerHost.reset_peaks, [()] * self.workers, "resetting memory peaks")
+
+    def memory(self) -> list[dict]:
+        """Each worker's peak memory since it started (or since ``reset_peaks``), above its idle baseline."""
+        return self.on_hosts(WorkerHost.memory, [()] * self.workers, "reading memory")
+
+    def traffic(self) -> list[dict]:
+        """Each worker's halo traffic and read counters (``transport.new_stats``)."""
+        return self.on_hosts(WorkerHost.traffic, [()] * self.workers, "reading traffic")
 
     def wait(self, futures: Sequence, what: str) -> list[Any]:
         """Wait for one future per worker, in worker order; see ``wait_named``."""
@@ -444,20 +506,18 @@ class World:
             else:
                 dist_autograd._release_context(context_id)
 
-    def retire_model(self, model_id: int) -> None:
-        """A parallel model is gone on the driver: its replicas can go too. Called from a finalizer, so
-        it only takes note (no RPC from inside garbage collection); ``drop_retired_models`` sends it."""
-        self._retired_models.append(model_id)
+    def retire(self, part_id: int) -> None:
+        """A part's owner is gone on the driver (a parallel model): the part can go too. Called from a
+        finalizer, so it only takes note (no RPC from inside garbage collection); ``drop_retired`` sends it."""
+        self._retired_parts.append(part_id)
 
-    def drop_retired_models(self) -> None:
-        """Free the workers' replicas of retired models. Without this a long-lived world (a notebook, a
-        search over models, a test session) keeps every model it ever ran, weights and optimizer state."""
-        if not self._retired_models or self._closed or self.broken:
+    def drop_retired(self) -> None:
+        """Free the workers' retired parts. Without this a long-lived world (a notebook, a search over
+        models, a test session) keeps every model it ever ran, weights and optimizer state."""
+        if not self._retired_parts or self._closed or self.broken:
             return
-        from .worker import uninstall
-
-        ids, self._retired_models = self._retired_models, []
-        self.call(uninstall, [(ids,)] * self.workers, "dropping retired models")
+        ids, self._retired_parts = self._retired_parts, []
+        self.uninstall(ids)
 
     def _release_orphan_contexts(self) -> None:
         import torch.distributed.autograd as dist_autograd
@@ -486,12 +546,10 @@ class World:
     def comm_order_mismatches(self) -> list[str]:
         """Under the ``order`` check: where the workers issued their collectives and batches since the last
         call in orders NCCL could not run (empty when they agree)."""
-        from .worker import comm_order_log
-
         if not self.checks.order:
             raise ValueError("this world records no order; create it with comm_checks='order' "
                              "(or BIGCONV_COMM_CHECKS=order)")
-        logs = self.call(comm_order_log, [()] * self.workers, "reading the order of communication")
+        logs = self.on_hosts(WorkerHost.comm_order_log, [()] * self.workers, "reading the order of communication")
         return order_mismatches(dict(enumerate(logs)))
 
     # -- shutdown ---------------------------------------------------------------------------------
@@ -516,18 +574,17 @@ class World:
             self._release_orphan_contexts()
             self._store = None
             netbind.forget(RPC_STORE_KEY)
-            _release_process(self)
             self._closing = False
 
     def _release_workers(self) -> bool:
-        from .worker import release
-
-        futures = [rpc.rpc_async(name, release, timeout=self.rpc_timeout) for name in self.names]
+        """Say goodbye in the store (every worker waits on it); whether all of them left in time."""
+        self._store.set(RELEASE_KEY, "1")
         deadline = time.monotonic() + min(self.timeout, 30.0)
-        for fut in futures:
-            while not fut.done() and time.monotonic() < deadline:
-                time.sleep(0.01)
-        return all(f.done() and not f.value() for f in futures)
+        while time.monotonic() < deadline:
+            if self._store.add(RELEASED_KEY, 0) >= self.workers:
+                return True
+            time.sleep(0.01)
+        return False
 
     def _reap(self, grace: float) -> None:
         deadline = time.monotonic() + grace

@@ -24,8 +24,8 @@ import torch.nn as nn
 
 from .. import checks, saving
 from .agreement import agree
-from ..data import prefetch
-from ..data.sources import ShardRead, SourceBatch, is_source_batch
+from ..data.prefetch import Prefetcher
+from ..data.sources import ShardRead, is_source_batch
 from ..engine import step as shard_step
 from ..engine.step import PerShardLoss, StepCommand, WholeOutputLoss, gather_dense, gather_heads
 from ..geometry.boxes import batch_share, box_index, coord_of, shard_box, validate_grid
@@ -75,7 +75,8 @@ class SpmdModel:
         self.optimizer_class: str | None = None
         self.mesh = world.mesh(replicas)
         self.stats = new_stats()
-        rt = shard_runtime(self.mesh, world.device, world.timeout, self.stats, world.grad_group, world.checks)
+        rt = shard_runtime(self.mesh, world.device, world.timeout, self.stats, world.grad_group, world.checks,
+                           Prefetcher())
         seed_t = torch.tensor([random_seed(seed)], dtype=torch.int64)
         dist.broadcast(seed_t, src=0)  # every rank draws with rank 0's seed
         self.engine = ShardEngine(model, rt, grad_group=world.grad_group, seed=int(seed_t.item()),
@@ -108,8 +109,9 @@ class SpmdModel:
 
     def _shard_call(self, plan: Plan, x, y=None, loss_fn=None) -> shard_step.ShardCall:
         self._call += 1
-        return shard_step.shard_calls(self._call, plan, x, y, loss_fn, coords=[coord_of(self.mesh.shard, plan.grid)],
-                                      items=self._items(x), check_finite=self.planner.check_finite)[0]
+        items, coord = self._items(x), coord_of(self.mesh.shard, plan.grid)
+        return shard_step.shard_calls(self._call, plan, x, y, loss_fn, coords=[coord], items=items,
+                                      check_finite=self.planner.check_finite)[0]
 
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
@@ -121,21 +123,25 @@ class SpmdModel:
         """A per-shard loss takes this rank's box of the targets; any other loss sees the whole batch's
         output on every rank (the driver mode gathers it on the driver instead)."""
         if self.planner.per_shard_loss(plan, x, y, loss_fn):
-            return StepCommand(self._shard_call(plan, x, y, loss_fn), PerShardLoss(loss_fn), **how)
-        return StepCommand(self._shard_call(plan, x), WholeOutputLoss(loss_fn, y, plan), **how)
+            shard = self._shard_call(plan, x, y, loss_fn)
+            return StepCommand(shard, PerShardLoss(loss_fn), **how)
+        shard = self._shard_call(plan, x)
+        return StepCommand(shard, WholeOutputLoss(loss_fn, y, plan), **how)
 
     def train_step(self, x, y, loss_fn: Callable) -> float:
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x, loss_fn)
-        loss = shard_step.run(self.engine, self._command(plan, x, y, loss_fn)).loss
+        cmd = self._command(plan, x, y, loss_fn)
+        loss = shard_step.run(self.engine, cmd).loss
         self.steps += 1
         return float(loss)
 
     def gradients(self, x, y, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
         """The loss, the whole input gradient and the summed parameter gradients, on every rank."""
         plan = self.plan(x, loss_fn)
-        result = shard_step.run(self.engine, self._command(plan, x, y, loss_fn, grad="input", gradients=True))
+        cmd = self._command(plan, x, y, loss_fn, grad="input", gradients=True)
+        result = shard_step.run(self.engine, cmd)
         return float(result.loss), gather_dense(self.engine, plan.grid, result.input_grad), result.param_grads
 
     def __call__(self, x) -> torch.Tensor:
@@ -152,13 +158,7 @@ class SpmdModel:
         from ..data import outputs
 
         plan = self.plan(x)
-        if plan.several:
-            raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
-                             "use net(x) for them, or predict with a wrapper returning the one map to write")
-        if plan.out_shape is None:
-            raise ValueError("predict writes a dense map, but this model's output is one vector per image; use net(x)")
-        chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
-        dtype = str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
+        chunks, dtype = self.planner.prediction(plan, x, max_chunk)
         inputs = [s.path for s in x] if is_source_batch(x) else []
         path = tmp = refused = None
         if self.world.rank == 0:  # one rank checks and creates, so the file system is asked once
@@ -203,7 +203,7 @@ class SpmdModel:
         y_reads = y if is_source_batch(y) and plan.out_shape is not None else None
         shard = shard_step.shard_calls(0, plan, x, y_reads, loss_fn, coords=[coord_of(self.mesh.shard, plan.grid)],
                                        items=self._items(x), check_finite=self.planner.check_finite)[0]
-        prefetch.start([r for r in (shard.x, shard.target) if isinstance(r, ShardRead)])
+        self.engine.rt.reads.start([r for r in (shard.x, shard.target) if isinstance(r, ShardRead)])
 
     # -- state --------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

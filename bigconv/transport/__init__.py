@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Iterable, Protocol, Sequence
+from typing import Any, Hashable, Iterable, Protocol, Sequence
 
 import torch
 
@@ -79,7 +79,7 @@ def new_stats() -> dict:
 
 @dataclass
 class WorkerRuntime:
-    """This process's identity and transport; one per worker process."""
+    """A shard's identity and transport: a worker process's own, or one of its models' (p2p)."""
 
     index: int
     workers: int
@@ -87,13 +87,13 @@ class WorkerRuntime:
     timeout: float
     mailbox: Mailbox = field(default_factory=Mailbox)
     pending: list = field(default_factory=list)
-    models: dict = field(default_factory=dict)
     stats: dict = field(default_factory=lambda: new_stats())
-    send: Callable[[int, Hashable, torch.Tensor], None] | None = None
-    """Delivers to another worker's mailbox; None: over RPC. The dry run delivers in process."""
     link: Any = None
-    """The link executors use: a ``p2p.P2PLink`` (SPMD ranks, driver workers on the p2p transport) or an
-    ``rpc.RpcLink`` (mailboxes: the rpc transport, the dry run); whoever makes the runtime sets it."""
+    """The link executors use: a ``p2p.P2PLink`` (SPMD ranks, driver workers on the p2p transport), an
+    ``rpc.RpcLink`` (mailboxes: the rpc transport) or an ``rpc.LocalLink`` (the dry run's threads);
+    whoever makes the runtime sets it."""
+    reads: Any = None
+    """This process's reads started ahead (``data.prefetch.Prefetcher``), shared by its shards."""
     replica: int = 0
     replicas: int = 1
     mesh: Any = None
@@ -107,22 +107,6 @@ class WorkerRuntime:
     group, for worlds that exchange no halos over it)."""
     checks: CommChecks = field(default_factory=CommChecks)
     """The test modes of ``comm_checks`` this world runs under."""
-
-
-_RUNTIME: WorkerRuntime | None = None
-
-
-def runtime() -> WorkerRuntime:
-    """This worker process's runtime (for the RPC entry points, which only a process can hold)."""
-    if _RUNTIME is None:
-        raise RuntimeError("this process is not a bigconv worker")
-    return _RUNTIME
-
-
-def set_runtime(rt: WorkerRuntime | None) -> None:
-    global _RUNTIME
-    _RUNTIME = rt
-
 
 
 Send = tuple[int, Any]

@@ -186,12 +186,14 @@ class P2PLink:
             self.stats["wait_s"] += time.perf_counter() - start
 
 
-def shard_runtime(mesh: Mesh, device: torch.device, timeout: float, stats: dict, grad_group, checks) -> WorkerRuntime:
+def shard_runtime(mesh: Mesh, device: torch.device, timeout: float, stats: dict, grad_group, checks,
+                  reads) -> WorkerRuntime:
     """The runtime of one shard exchanging point-to-point (an SPMD rank, a driver's worker on ``p2p``):
     its halo link inside its replica's spatial group and, with replicas, its link to the same shard
-    position of the other replicas (batch statistics)."""
+    position of the other replicas (batch statistics). ``reads``: the process's ``Prefetcher``."""
     rt = WorkerRuntime(index=mesh.shard, workers=mesh.spatial, device=device, timeout=timeout, stats=stats,
-                       grad_group=grad_group, checks=checks, replica=mesh.replica, replicas=mesh.replicas, mesh=mesh)
+                       grad_group=grad_group, checks=checks, replica=mesh.replica, replicas=mesh.replicas, mesh=mesh,
+                       reads=reads)
     wire = dict(device=device, tag_free=checks.tag_free)
     rt.link = P2PLink(mesh.spatial_group, mesh.spatial_ranks, mesh.shard, timeout, stats, **wire)
     if mesh.replicas > 1:

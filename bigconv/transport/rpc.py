@@ -1,7 +1,8 @@
 """The driver mode's link: push over RPC into the receiver's mailbox.
 
 The owner of a region pushes it as soon as it is computed (one message, no round trip); the receiver
-takes it from its mailbox. Tensors that require grad carry a distributed-autograd send/recv pair, so
+takes it from its mailbox. A link knows the other shards' mailboxes as RRefs (``torch.distributed.rpc``),
+handed to it when the World starts, so the receiving process finds its mailbox in the message itself. Tensors that require grad carry a distributed-autograd send/recv pair, so
 the backward pass flows back to the owner inside the driver's context. Every wait has a timeout
 that names the sender, so a dead worker turns into an error, never a hang.
 """
@@ -15,18 +16,16 @@ from typing import Hashable, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
-from . import Recv, Send, WorkerFailure, WorkerRuntime, numbered, runtime, worker_name
+from . import Mailbox, Recv, Send, WorkerFailure, WorkerRuntime, numbered, worker_name
 
 
-def _deliver(key: Hashable, tensor: torch.Tensor) -> None:
-    runtime().mailbox.put(key, tensor)
+def _deliver(mailbox: rpc.RRef, key: Hashable, tensor: torch.Tensor) -> None:
+    """Runs on the receiver, which owns ``mailbox``."""
+    mailbox.local_value().put(key, tensor)
 
 
-def push(rt: WorkerRuntime, dst: int, key: Hashable, tensor: torch.Tensor) -> None:
-    """Send ``tensor`` to worker ``dst`` without waiting; errors surface in ``flush``."""
-    if rt.send is not None:
-        rt.send(dst, key, tensor)
-        return
+def push(rt: WorkerRuntime, mailboxes: Sequence[rpc.RRef], dst: int, key: Hashable, tensor: torch.Tensor) -> None:
+    """Send ``tensor`` to worker ``dst``'s mailbox without waiting; errors surface in ``flush``."""
     # RPC pickles a view's whole storage, and halo transport stays on the host (CUDA tensors over
     # RPC with distributed autograd are beta upstream), so send a compact CPU copy.
     payload = tensor.to("cpu")
@@ -34,7 +33,8 @@ def push(rt: WorkerRuntime, dst: int, key: Hashable, tensor: torch.Tensor) -> No
         payload = payload.clone(memory_format=torch.contiguous_format)
     rt.stats["messages"] += 1
     rt.stats["bytes"] += payload.numel() * payload.element_size()
-    rt.pending.append((dst, rpc.rpc_async(worker_name(dst), _deliver, args=(key, payload), timeout=rt.timeout)))
+    rt.pending.append((dst, rpc.rpc_async(worker_name(dst), _deliver, args=(mailboxes[dst], key, payload),
+                                          timeout=rt.timeout)))
 
 
 def take(rt: WorkerRuntime, src: int, key: Hashable, describe: str) -> torch.Tensor:
@@ -93,18 +93,35 @@ class _Pending:
 
 
 class RpcLink:
-    """Pushes every part at ``start``; ``finish`` takes the arrivals from the mailbox."""
+    """Pushes every part at ``start`` into the receivers' mailboxes (``mailboxes``: every shard's, as
+    RRefs, in shard order); ``finish`` takes the arrivals from this shard's own."""
 
-    def __init__(self, rt: WorkerRuntime) -> None:
+    def __init__(self, rt: WorkerRuntime, mailboxes: Sequence[rpc.RRef]) -> None:
         self.rt = rt
+        self.mailboxes = list(mailboxes)
+
+    def _push(self, dst: int, key: tuple, piece: torch.Tensor) -> None:
+        push(self.rt, self.mailboxes, dst, key, piece)
 
     def start(self, x: torch.Tensor, key: tuple, sends: Sequence[Send], recvs: Sequence[Recv]):
         if sends:
             x, *pieces = SendPieces.apply(x, *(FULL if index is None else index for _, index in sends))
             for (dst, number), piece in zip(numbered([d for d, _ in sends]), pieces):
-                push(self.rt, dst, key + (self.rt.index, number), piece)
+                self._push(dst, key + (self.rt.index, number), piece)
         peers = numbered([s for s, _ in recvs])
         return x, _Pending([key + (src, number) for src, number in peers], [src for src, _ in peers])
 
     def finish(self, pending: _Pending, describe: str) -> list[torch.Tensor]:
         return [take(self.rt, src, k, describe) for src, k in zip(pending.sources, pending.keys)]
+
+
+class LocalLink(RpcLink):
+    """The dry run's link: shards are threads of one process, so a push puts the piece straight into
+    the receiver's ``Mailbox``."""
+
+    def __init__(self, rt: WorkerRuntime, mailboxes: Sequence[Mailbox]) -> None:
+        super().__init__(rt, [])
+        self.local = list(mailboxes)
+
+    def _push(self, dst: int, key: tuple, piece: torch.Tensor) -> None:
+        self.local[dst].put(key, piece)
