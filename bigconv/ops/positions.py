@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH, _int_dims, _sizes
+from .dims import int_dims, size_args
+from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH
 from .reduce import global_extreme
 from .shards import bind, mark_positions, positions, tree_flatten
 
@@ -120,7 +121,7 @@ def _moved(func, x: torch.Tensor, args, kwargs) -> int:
         a, b = [d % n for d in rest[:2]]
         pos = b if pos == a else a if pos == b else pos
         return pos - n
-    perm = [d % n for d in (_sizes(rest) if rest else kwargs["dims"])]
+    perm = [d % n for d in (size_args(rest) if rest else kwargs["dims"])]
     return perm.index(pos) - n
 
 
@@ -135,7 +136,7 @@ def _squeeze(mode: ShardMode, func, args, kwargs):
     shape, dim = positions(x)
     dim_arg = args[1] if len(args) > 1 else kwargs.get("dim")
     size = global_size(x)
-    gone = [d for d in _int_dims(dim_arg, x.dim()) if size[d] == 1]
+    gone = [d for d in int_dims(dim_arg, x.dim()) if size[d] == 1]
     out = torch.squeeze(x, tuple(gone)) if gone else x.view_as(x)
     pos = dim % x.dim()
     return mark_positions(out, shape, pos - sum(g < pos for g in gone) - out.dim())
@@ -145,7 +146,7 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     """A reshape that keeps the positions' dim whole and reshapes the dims before and after it apart."""
     x = args[0]
     shape, dim = positions(x)
-    target = _sizes(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
+    target = size_args(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
     size, total = global_size(x), _count(shape)
     if -1 in target:
         known = _count(t for t in target if t != -1)
@@ -176,7 +177,7 @@ def _query(mode: ShardMode, func, args, kwargs):
 # -- reductions -----------------------------------------------------------------------------------
 def _over(mode: ShardMode, x: torch.Tensor, dim) -> tuple[list[int], bool]:
     """The dims reduced, and whether the positions are among them."""
-    dims = _int_dims(dim, x.dim())
+    dims = int_dims(dim, x.dim())
     return dims, positions(x)[1] % x.dim() in dims
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .layout import _int_dims, _neg, _nonneg, pointwise
+from .dims import int_dims, neg_dims, nonneg_dims
+from .layout import pointwise
 from .shards import bind, global_shape, mark_positions, trailing
 
 if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
@@ -37,15 +38,15 @@ PROPERTY_RULES: dict = {}
 
 def _after(mode: ShardMode, x: torch.Tensor, reduced: list[int], keepdim: bool) -> tuple[int, ...]:
     """Where the spatial dims of ``x`` are after removing ``reduced`` dims (none of them spatial)."""
-    spatial = _nonneg(mode.layout(x), x.dim())
+    spatial = nonneg_dims(mode.layout(x), x.dim())
     if keepdim:
         return mode.layout(x)
-    return _neg([p - sum(r < p for r in reduced) for p in spatial], x.dim() - len(reduced))
+    return neg_dims([p - sum(r < p for r in reduced) for p in spatial], x.dim() - len(reduced))
 
 
 def _classify(mode: ShardMode, func, x: torch.Tensor, dim) -> tuple[list[int], str]:
-    dims = _int_dims(dim, x.dim())
-    spatial = set(_nonneg(mode.layout(x), x.dim()))
+    dims = int_dims(dim, x.dim())
+    spatial = set(nonneg_dims(mode.layout(x), x.dim()))
     if not spatial & set(dims):
         return dims, "local"
     if not spatial <= set(dims):
@@ -154,10 +155,10 @@ def _flatten(mode: ShardMode, func, args, kwargs):
     b = bind(("input", "start_dim", "end_dim"), args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     start, end = b.get("start_dim", 0) % x.dim(), b.get("end_dim", -1) % x.dim()
-    spatial = _nonneg(mode.layout(x), x.dim())
+    spatial = nonneg_dims(mode.layout(x), x.dim())
     if not set(spatial) & set(range(start, end + 1)):
         out_dims = [p - (end - start) if p > end else p for p in spatial]
-        return mode.tag_outputs(func(*args, **kwargs), shape, _neg(out_dims, x.dim() - (end - start)))
+        return mode.tag_outputs(func(*args, **kwargs), shape, neg_dims(out_dims, x.dim() - (end - start)))
     if mode.dims > 1 and start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
         # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions); reductions over
         # them are global, anything else gathers them whole as below
