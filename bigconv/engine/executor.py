@@ -26,7 +26,8 @@ from ..geometry.boxes import (
     Box, HaloPlan, Window, all_coords, balanced_bounds, coord_of, halo_plan, index_of, intersect, local_slices,
     shard_box,
 )
-from ..geometry.index_maps import needed, runs
+from ..geometry.index_maps import Taps, needed, runs
+from ..ops.context import Executor, IndexMaps, RegionOp, Windows
 from ..ops.shards import UnsupportedOperation, mark
 
 
@@ -138,8 +139,9 @@ class _Part:
     out_box: Box
 
 
-class ShardExecutor:
-    """Runs on one worker for one forward call."""
+class ShardExecutor(Executor):
+    """Runs on one worker for one forward call: every member the op rules call is declared by
+    ``bigconv.ops.context.Executor``, named as the base so a type checker holds this class to it."""
 
     def __init__(self, grid: tuple[int, ...], call: int, rt: transport.WorkerRuntime) -> None:
         """``rt``: the shard this executor runs (its index, device and links), handed in by its caller."""
@@ -177,7 +179,8 @@ class ShardExecutor:
                 cache[key + (src, n)] = t
         return tensors
 
-    def windowed(self, x, shape, windows, op: Callable, where: str) -> torch.Tensor:
+    def windowed(self, x: torch.Tensor, shape: Sequence[int], windows: Windows, op: Callable[..., torch.Tensor],
+                 where: str) -> torch.Tensor:
         out_shape = check_output_fits(shape, windows, self.grid, where)
         key = self._next_key()
         first = x.dim() - len(self.grid)
@@ -337,7 +340,8 @@ class ShardExecutor:
         shapes = [(*x.shape[:first], *(b - a for a, b in shard_box(shape, self.grid, c))) for c in all_coords(self.grid)]
         return join_shards(self.allgather(x, "whole-map gather", shapes), self.grid)
 
-    def region_op(self, x, shape, windows, op: Callable, where: str, fill: float | None = 0.0):
+    def region_op(self, x: torch.Tensor, shape: Sequence[int], windows: Windows, op: RegionOp, where: str,
+                  fill: float | None = 0.0) -> torch.Tensor:
         """A windowed op that is not linear (pooling) or not a plain window (transposed conv).
 
         The shard joins its input region from the owners (padded with ``fill`` at the global
@@ -370,7 +374,8 @@ class ShardExecutor:
         blocks = {tuple(iv[0] for iv in box): t for box, t in parts.items()}
         return nested_cat(blocks, [[iv[0] for iv in axis] for axis in layout], first)
 
-    def index_map(self, x, shape, maps: Sequence, apply: Callable, where: str) -> torch.Tensor:
+    def index_map(self, x: torch.Tensor, shape: Sequence[int], maps: IndexMaps,
+                  apply: Callable[[torch.Tensor, list[Taps]], torch.Tensor], where: str) -> torch.Tensor:
         """A separable index map (upsampling, padding modes); see ``bigconv.geometry.index_maps``.
 
         Each shard reads exactly the inputs its outputs' taps name, wherever they live (circular

@@ -9,15 +9,12 @@ Size queries answer with the global shape, and factories given a global size bui
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import slicing, subpixel
+from .context import RuleContext
+from .dims import int_dims, neg_dims, nonneg_dims, size_args
 from .shards import FLATTEN_FIX, global_shape, global_size, mark, mark_positions, trailing, tree_flatten
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 
 RULES: dict = {}
@@ -30,29 +27,8 @@ PROPERTY_RULES: dict = {}
 """Its rules for tensor attributes, by name."""
 
 
-def _nonneg(dims, ndim: int) -> list[int]:
-    return [d % ndim for d in dims]
-
-
-def _neg(dims, ndim: int) -> tuple[int, ...]:
-    return tuple(d - ndim for d in dims)
-
-
-def _int_dims(dim, ndim: int) -> list[int]:
-    if dim is None:
-        return list(range(ndim))
-    return _nonneg([dim] if isinstance(dim, int) else list(dim), ndim)
-
-
-def _sizes(args) -> list[int]:
-    """A size given as varargs (``x.expand(2, 3)``) or as one sequence (``x.expand((2, 3))``)."""
-    if len(args) == 1 and isinstance(args[0], (list, tuple, torch.Size)):
-        return list(args[0])
-    return list(args)
-
-
 # -- pointwise ----------------------------------------------------------------------------------------
-def pointwise(mode: ShardMode, func, args, kwargs):
+def pointwise(mode: RuleContext, func, args, kwargs):
     """Elementwise math: operands broadcast from the right, so spatial positions counted from the end stay put.
 
     An unsharded operand must be constant along the spatial dims (size 1) or span the whole image
@@ -106,7 +82,7 @@ glu""".split()  # rrelu: bigconv.ops.random (it draws in training mode)
 
 
 # -- joins and splits ---------------------------------------------------------------------------------
-def _localize_full(mode: ShardMode, func, tensors, shape, dims) -> list:
+def _localize_full(mode: RuleContext, func, tensors, shape, dims) -> list:
     """Unsharded operands of a join: whole-image ones contribute this shard's part; others cannot join."""
     out = []
     for t in tensors:
@@ -119,7 +95,7 @@ def _localize_full(mode: ShardMode, func, tensors, shape, dims) -> list:
     return out
 
 
-def _cat(mode: ShardMode, func, args, kwargs):
+def _cat(mode: RuleContext, func, args, kwargs):
     tensors = list(args[0] if args else kwargs["tensors"])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     shape = mode.one_shape(func, tensors)
@@ -131,7 +107,7 @@ def _cat(mode: ShardMode, func, args, kwargs):
     return mode.tag_outputs(func(tensors, dim), shape, dims)
 
 
-def _stack(mode: ShardMode, func, args, kwargs):
+def _stack(mode: RuleContext, func, args, kwargs):
     tensors = list(args[0] if args else kwargs["tensors"])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     shape = mode.one_shape(func, tensors)
@@ -139,11 +115,11 @@ def _stack(mode: ShardMode, func, args, kwargs):
     tensors = _localize_full(mode, func, tensors, shape, dims)
     ndim = tensors[0].dim()
     new = dim % (ndim + 1)
-    out_dims = [p + (p >= new) for p in _nonneg(dims, ndim)]
-    return mode.tag_outputs(func(tensors, dim), shape, _neg(out_dims, ndim + 1))
+    out_dims = [p + (p >= new) for p in nonneg_dims(dims, ndim)]
+    return mode.tag_outputs(func(tensors, dim), shape, neg_dims(out_dims, ndim + 1))
 
 
-def _split_like(mode: ShardMode, func, args, kwargs):
+def _split_like(mode: RuleContext, func, args, kwargs):
     """chunk, split, tensor_split, narrow, unbind, select: along a non-spatial dim only."""
     names = {"chunk": ("input", "chunks", "dim"), "split": ("input", "split_size_or_sections", "dim"),
              "tensor_split": ("input", "indices_or_sections", "dim"), "narrow": ("input", "dim", "start", "length"),
@@ -162,7 +138,7 @@ def _split_like(mode: ShardMode, func, args, kwargs):
     out = func(*args, **kwargs)
     if func.__name__ in ("unbind", "select"):  # the dim goes away
         gone = dim % x.dim()
-        dims = _neg([p - (p > gone) for p in _nonneg(dims, x.dim())], x.dim() - 1)
+        dims = neg_dims([p - (p > gone) for p in nonneg_dims(dims, x.dim())], x.dim() - 1)
     return mode.tag_outputs(out, shape, dims)
 
 
@@ -172,7 +148,7 @@ def _permutation(func, x: torch.Tensor, args, kwargs) -> list[int]:
     n, name = x.dim(), func.__name__
     rest = list(args[1:])
     if name == "permute":
-        return _nonneg(_sizes(rest) if rest else kwargs["dims"], n)
+        return nonneg_dims(size_args(rest) if rest else kwargs["dims"], n)
     if name in ("transpose", "swapaxes", "swapdims"):
         a, b = (rest + [kwargs.get(k) for k in ("dim0", "dim1", "axis0", "axis1") if k in kwargs])[:2]
         perm = list(range(n))
@@ -180,7 +156,7 @@ def _permutation(func, x: torch.Tensor, args, kwargs) -> list[int]:
         return perm
     src = rest[0] if rest else kwargs["source"]
     dst = rest[1] if len(rest) > 1 else kwargs["destination"]
-    src, dst = _int_dims(src, n), _int_dims(dst, n)
+    src, dst = int_dims(src, n), int_dims(dst, n)
     perm: list[int | None] = [None] * n
     for s, d in zip(src, dst):
         perm[d] = s
@@ -188,37 +164,37 @@ def _permutation(func, x: torch.Tensor, args, kwargs) -> list[int]:
     return [p if p is not None else next(others) for p in perm]
 
 
-def _permute(mode: ShardMode, func, args, kwargs):
+def _permute(mode: RuleContext, func, args, kwargs):
     x = args[0]
     perm = _permutation(func, x, args, kwargs)
-    out_dims = _neg([perm.index(p) for p in _nonneg(mode.layout(x), x.dim())], x.dim())
+    out_dims = neg_dims([perm.index(p) for p in nonneg_dims(mode.layout(x), x.dim())], x.dim())
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), out_dims)
 
 
-def _unsqueeze(mode: ShardMode, func, args, kwargs):
+def _unsqueeze(mode: RuleContext, func, args, kwargs):
     x, dim = args[0], (args[1] if len(args) > 1 else kwargs["dim"])
     new = dim % (x.dim() + 1)
-    out_dims = _neg([p + (p >= new) for p in _nonneg(mode.layout(x), x.dim())], x.dim() + 1)
+    out_dims = neg_dims([p + (p >= new) for p in nonneg_dims(mode.layout(x), x.dim())], x.dim() + 1)
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), out_dims)
 
 
-def _squeeze(mode: ShardMode, func, args, kwargs):
+def _squeeze(mode: RuleContext, func, args, kwargs):
     """Squeeze dims whose *global* size is 1 (a one-row shard must not lose its spatial dim)."""
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    size, spatial = global_size(x, mode.dims), _nonneg(mode.layout(x), x.dim())
-    gone = [d for d in _int_dims(dim, x.dim()) if size[d] == 1]
+    size, spatial = global_size(x, mode.dims), nonneg_dims(mode.layout(x), x.dim())
+    gone = [d for d in int_dims(dim, x.dim()) if size[d] == 1]
     if set(gone) & set(spatial):
         raise mode.unsupported(func, "it removes a spatial dim of size 1", "Squeeze batch or channel dims only")
     out = torch.squeeze(x, tuple(gone)) if gone else x.view_as(x)
-    out_dims = _neg([p - sum(g < p for g in gone) for p in spatial], x.dim() - len(gone))
+    out_dims = neg_dims([p - sum(g < p for g in gone) for p in spatial], x.dim() - len(gone))
     return mode.tag_outputs(out, global_shape(x), out_dims)
 
 
-def _reshape(mode: ShardMode, func, args, kwargs):
+def _reshape(mode: RuleContext, func, args, kwargs):
     """Reshape the batch and channel dims, keeping the spatial ones last (ShuffleNet's channel shuffle)."""
     x = args[0]
-    target = _sizes(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
+    target = size_args(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
     if len(target) == 1 and isinstance(target[0], torch.dtype):  # x.view(dtype): a reinterpretation
         return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
     shape, d = global_shape(x), mode.dims
@@ -237,19 +213,19 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     return mark(out, shape)
 
 
-def _repeat(mode: ShardMode, func, args, kwargs):
+def _repeat(mode: RuleContext, func, args, kwargs):
     """repeat / tile: copies along batch or channels only."""
     x = args[0]
-    reps = _sizes(args[1:]) if len(args) > 1 else list(kwargs.get("repeats", kwargs.get("dims")))
+    reps = size_args(args[1:]) if len(args) > 1 else list(kwargs.get("repeats", kwargs.get("dims")))
     reps = [1] * (x.dim() - len(reps)) + reps  # tile pads short repeats on the left
     if any(reps[d] != 1 for d in mode.layout(x)):
         raise mode.unsupported(func, "it repeats along a spatial dim", "Repeat along batch or channels only")
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
 
 
-def _expand(mode: ShardMode, func, args, kwargs):
+def _expand(mode: RuleContext, func, args, kwargs):
     x = args[0]
-    sizes = _sizes(args[1:]) if len(args) > 1 else list(kwargs["size"])
+    sizes = size_args(args[1:]) if len(args) > 1 else list(kwargs["size"])
     shape, dims = global_shape(x), mode.layout(x)
     local = mode.executor.local_shape(shape)
     for d, g, n in zip(dims, shape, local):
@@ -259,7 +235,7 @@ def _expand(mode: ShardMode, func, args, kwargs):
     return mode.tag_outputs(x.expand(*sizes), shape, dims)
 
 
-def _expand_as(mode: ShardMode, func, args, kwargs):
+def _expand_as(mode: RuleContext, func, args, kwargs):
     x, other = args[0], args[1]
     if global_shape(other) is None:
         raise mode.unsupported(func, "it expands a sharded tensor to an unsharded one", "Expand to a sharded tensor")
@@ -267,10 +243,10 @@ def _expand_as(mode: ShardMode, func, args, kwargs):
     return mode.tag_outputs(out, global_shape(other), mode.layout(other))
 
 
-def _expand_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
+def _expand_whole(mode: RuleContext, func, args, kwargs, replicated: bool):
     """A map constant along its spatial dims (a pooled context vector) expanded to an image's size."""
     x = args[0]
-    sizes = _sizes(args[1:]) if len(args) > 1 else list(kwargs["size"])
+    sizes = size_args(args[1:]) if len(args) > 1 else list(kwargs["size"])
     d = mode.dims
     if len(sizes) > d and tuple(sizes[-d:]) in mode.known and not replicated:
         shape = tuple(sizes[-d:])
@@ -280,14 +256,14 @@ def _expand_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
 
 
 # -- sizes and factories ------------------------------------------------------------------------------
-def _size(mode: ShardMode, func, args, kwargs):
+def _size(mode: RuleContext, func, args, kwargs):
     x = args[0]
     size = global_size(x, mode.dims)
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     return size if dim is None else size[dim]
 
 
-def _query(mode: ShardMode, func, args, kwargs):
+def _query(mode: RuleContext, func, args, kwargs):
     """Questions about the local tensor whose answer is the same for the whole image (dim, dtype, ...)."""
     out = func(*args, **kwargs)
     if isinstance(out, torch.Tensor):
@@ -300,20 +276,20 @@ __len__ __format__ __repr__ __hash__ register_hook retain_grad get_device untype
 is_shared is_set_to __reduce_ex__ __deepcopy__ __setstate__""".split()
 
 
-def _numel(mode: ShardMode, func, args, kwargs):
+def _numel(mode: RuleContext, func, args, kwargs):
     return global_size(args[0], mode.dims).numel()
 
 
-def _shape_property(mode: ShardMode, func, args, kwargs):
+def _shape_property(mode: RuleContext, func, args, kwargs):
     return global_size(args[0], mode.dims)
 
 
-def _data_property(mode: ShardMode, func, args, kwargs):
+def _data_property(mode: RuleContext, func, args, kwargs):
     x = args[0]
     return mark(func(*args, **kwargs), global_shape(x), mode.layout(x))
 
 
-def _image_size(mode: ShardMode, size: list) -> tuple[int, ...] | None:
+def _image_size(mode: RuleContext, size: list) -> tuple[int, ...] | None:
     d = mode.dims
     if len(size) > d and all(isinstance(s, int) for s in size) and tuple(size[-d:]) in mode.known:
         return tuple(size[-d:])
@@ -324,7 +300,7 @@ _FACTORY_SIZE_ARG = {"zeros": 0, "ones": 0, "empty": 0, "full": 0,
                      "new_zeros": 1, "new_ones": 1, "new_empty": 1, "new_full": 1}
 
 
-def _factory(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+def _factory(mode: RuleContext, func, args, kwargs, replicated: bool = False):
     """``torch.zeros(x.shape)``, ``x.new_zeros(n, c, h, w)``: the size a single process asked for, this shard's part."""
     name = func.__name__
     first = _FACTORY_SIZE_ARG[name]
@@ -333,7 +309,7 @@ def _factory(mode: ShardMode, func, args, kwargs, replicated: bool = False):
     if name in ("full", "new_full"):  # (size, fill_value)
         value_args = rest[1:2] if len(rest) > 1 else []
         rest = rest[:1] if value_args else rest
-    size = _sizes(rest) if rest else list(kwargs.get("size", ()))
+    size = size_args(rest) if rest else list(kwargs.get("size", ()))
     shape = _image_size(mode, size)
     if shape is None:
         return func(*args, **kwargs)
@@ -343,7 +319,7 @@ def _factory(mode: ShardMode, func, args, kwargs, replicated: bool = False):
 
 
 # -- indexing -----------------------------------------------------------------------------------------
-def _getitem(mode: ShardMode, func, args, kwargs):
+def _getitem(mode: RuleContext, func, args, kwargs):
     x, index = args[0], args[1]
     shape = global_shape(x)
     if shape is None:
@@ -356,7 +332,7 @@ def _getitem(mode: ShardMode, func, args, kwargs):
         fill = x.dim() - (len(index) - 1 - sum(i is None for i in index))
         index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
     index = index + (slice(None),) * (x.dim() - sum(i is not None for i in index))  # x[:, :, 2:5] cuts H only
-    spatial = _nonneg(mode.layout(x), x.dim())
+    spatial = nonneg_dims(mode.layout(x), x.dim())
     crops = slicing.spatial_slices(mode, func, index, spatial)
     if crops is not None:  # slice the other dims here, then crop the spatial ones (bigconv.ops.slicing)
         rest = tuple(slice(None) if pos in crops else i for pos, i in enumerate(index))
@@ -376,16 +352,16 @@ def _getitem(mode: ShardMode, func, args, kwargs):
             out_dims[d] = out_pos
         out_pos += 1
     out = func(*args, **kwargs)
-    return mode.tag_outputs(out, shape, _neg([out_dims[p] for p in spatial], out.dim()))
+    return mode.tag_outputs(out, shape, neg_dims([out_dims[p] for p in spatial], out.dim()))
 
 
-def _value(mode: ShardMode, func, args, kwargs):
+def _value(mode: RuleContext, func, args, kwargs):
     raise mode.unsupported(func, "it reads a sharded tensor's values into Python, which would be this shard's "
                            "values, not the image's", "Reduce to a global value first (e.g. x.sum(), x.amax()), "
                            "or keep the computation in tensors")
 
 
-def _value_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
+def _value_whole(mode: RuleContext, func, args, kwargs, replicated: bool):
     if isinstance(args[0], torch.Tensor) and args[0].is_meta:
         raise mode.unsupported(func, "it reads a tensor's value into Python, which the dry run (on meta tensors, before "
                                "any remote work) cannot know", "Keep data-dependent choices out of forward, or compute "

@@ -33,13 +33,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .shards import (
-    FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, Executor, ModulePath,
-    UnsupportedOperation, global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
-)
+from .context import Executor
 from .positions import gather_positions
 from .positions import refuse as refuse_positions
 from .random import ForwardDraws, RandomDraws
+from .shards import (
+    FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, ModulePath, UnsupportedOperation,
+    global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
+)
 from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
 
 

@@ -9,17 +9,13 @@ from the combined values, so they end equal on every replica and equal to the si
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
 
 import torch
 import torch.nn.functional as F
 
+from .context import RuleContext
 from .shards import bind, global_shape, mark
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 
 RULES: dict = {}
@@ -89,7 +85,7 @@ class _Normalize(torch.autograd.Function):
         return g_x, g_mean, g_invstd, g_weight, g_bias
 
 
-def whole_stats(mode: ShardMode, x: torch.Tensor, dims: list[int], shape, count_dims: list[int]):
+def whole_stats(mode: RuleContext, x: torch.Tensor, dims: list[int], shape, count_dims: list[int]):
     """Mean and biased variance of ``x`` over ``dims`` across every shard, kept as broadcastable dims.
 
     ``count_dims`` are the non-spatial reduced dims (their sizes are the same on every shard); the
@@ -139,7 +135,7 @@ def _update_running(running: torch.Tensor | None, value: torch.Tensor, momentum:
 _BN_NAMES = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
 
-def _batch_norm(mode: ShardMode, func, args, kwargs):
+def _batch_norm(mode: RuleContext, func, args, kwargs):
     b = bind(_BN_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     training, momentum, eps = b.get("training", False), b.get("momentum", 0.1), b.get("eps", 1e-5)
@@ -157,7 +153,7 @@ def _batch_norm(mode: ShardMode, func, args, kwargs):
 _IN_NAMES = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
 
 
-def _instance_norm(mode: ShardMode, func, args, kwargs):
+def _instance_norm(mode: RuleContext, func, args, kwargs):
     b = bind(_IN_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     use_input_stats, momentum, eps = b.get("use_input_stats", True), b.get("momentum", 0.1), b.get("eps", 1e-5)
@@ -176,7 +172,7 @@ def _instance_norm(mode: ShardMode, func, args, kwargs):
 _GN_NAMES = ("input", "num_groups", "weight", "bias", "eps")
 
 
-def _group_norm(mode: ShardMode, func, args, kwargs):
+def _group_norm(mode: RuleContext, func, args, kwargs):
     b = bind(_GN_NAMES, args, kwargs)
     x, shape, groups = b["input"], global_shape(b["input"]), b["num_groups"]
     if x.shape[1] % groups:
@@ -193,7 +189,7 @@ def _group_norm(mode: ShardMode, func, args, kwargs):
 _LN_NAMES = ("input", "normalized_shape", "weight", "bias", "eps")
 
 
-def _layer_norm(mode: ShardMode, func, args, kwargs):
+def _layer_norm(mode: RuleContext, func, args, kwargs):
     """Over channels of a channels-last view (ConvNeXt): per position. Over every spatial dim: whole-image
     statistics. Over some spatial dims only: refused."""
     b = bind(_LN_NAMES, args, kwargs)

@@ -20,17 +20,14 @@ pooling (timm's ``GlobalContext``, attention-pooling heads) is exact this way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH, _int_dims, _sizes
+from .context import RuleContext
+from .dims import int_dims, size_args
+from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH
 from .reduce import global_extreme
 from .shards import bind, mark_positions, positions, tree_flatten
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 
 RULES: dict = {}
@@ -46,7 +43,7 @@ FIX = ("After flattening an image's positions (flatten(2), reshape(N, C, -1)), u
        "contracting it. To feed a dense head, pool globally first (AdaptiveAvgPool2d(1))")
 
 
-def refuse(mode: ShardMode, func, reason: str = "it is not a reduction over them or per-position math"):
+def refuse(mode: RuleContext, func, reason: str = "it is not a reduction over them or per-position math"):
     return mode.unsupported(func, f"it acts on an image's positions flattened into one dim, which each shard holds "
                             f"its own part of, and {reason}", FIX)
 
@@ -58,7 +55,7 @@ def _count(shape) -> int:
     return n
 
 
-def _flat(mode: ShardMode, func, leaves) -> tuple[tuple[int, ...], list]:
+def _flat(mode: RuleContext, func, leaves) -> tuple[tuple[int, ...], list]:
     """The one image the flattened operands come from, and those operands."""
     flats = [t for t in leaves if positions(t) is not None]
     shapes = {positions(t)[0] for t in flats}
@@ -74,7 +71,7 @@ def global_size(t: torch.Tensor) -> torch.Size:
     return torch.Size(size)
 
 
-def gather_positions(mode: ShardMode, t):
+def gather_positions(mode: RuleContext, t):
     """The whole image's positions, in a single process's order, on every worker (differentiably);
     anything else as it is."""
     if positions(t) is None:
@@ -88,7 +85,7 @@ def gather_positions(mode: ShardMode, t):
 
 
 # -- per-position ops -----------------------------------------------------------------------------
-def _pointwise(mode: ShardMode, func, args, kwargs):
+def _pointwise(mode: RuleContext, func, args, kwargs):
     leaves = tree_flatten((args, kwargs))[0]
     shape, flats = _flat(mode, func, leaves)
     out_dim = {positions(t)[1] for t in flats}
@@ -120,32 +117,32 @@ def _moved(func, x: torch.Tensor, args, kwargs) -> int:
         a, b = [d % n for d in rest[:2]]
         pos = b if pos == a else a if pos == b else pos
         return pos - n
-    perm = [d % n for d in (_sizes(rest) if rest else kwargs["dims"])]
+    perm = [d % n for d in (size_args(rest) if rest else kwargs["dims"])]
     return perm.index(pos) - n
 
 
-def _layout(mode: ShardMode, func, args, kwargs):
+def _layout(mode: RuleContext, func, args, kwargs):
     x = args[0]
     shape, _ = positions(x)
     return mark_positions(func(*args, **kwargs), shape, _moved(func, x, args, kwargs))
 
 
-def _squeeze(mode: ShardMode, func, args, kwargs):
+def _squeeze(mode: RuleContext, func, args, kwargs):
     x = args[0]
     shape, dim = positions(x)
     dim_arg = args[1] if len(args) > 1 else kwargs.get("dim")
     size = global_size(x)
-    gone = [d for d in _int_dims(dim_arg, x.dim()) if size[d] == 1]
+    gone = [d for d in int_dims(dim_arg, x.dim()) if size[d] == 1]
     out = torch.squeeze(x, tuple(gone)) if gone else x.view_as(x)
     pos = dim % x.dim()
     return mark_positions(out, shape, pos - sum(g < pos for g in gone) - out.dim())
 
 
-def _reshape(mode: ShardMode, func, args, kwargs):
+def _reshape(mode: RuleContext, func, args, kwargs):
     """A reshape that keeps the positions' dim whole and reshapes the dims before and after it apart."""
     x = args[0]
     shape, dim = positions(x)
-    target = _sizes(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
+    target = size_args(args[1:]) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
     size, total = global_size(x), _count(shape)
     if -1 in target:
         known = _count(t for t in target if t != -1)
@@ -159,24 +156,24 @@ def _reshape(mode: ShardMode, func, args, kwargs):
     raise refuse(mode, func, f"it reshapes them into {tuple(target)}, mixing the positions with other dims")
 
 
-def _shape_property(mode: ShardMode, func, args, kwargs):
+def _shape_property(mode: RuleContext, func, args, kwargs):
     return global_size(args[0])
 
 
-def _size(mode: ShardMode, func, args, kwargs):
+def _size(mode: RuleContext, func, args, kwargs):
     size = global_size(args[0])
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     return size if dim is None else size[dim]
 
 
-def _query(mode: ShardMode, func, args, kwargs):
+def _query(mode: RuleContext, func, args, kwargs):
     return func(*args, **kwargs)
 
 
 # -- reductions -----------------------------------------------------------------------------------
-def _over(mode: ShardMode, x: torch.Tensor, dim) -> tuple[list[int], bool]:
+def _over(mode: RuleContext, x: torch.Tensor, dim) -> tuple[list[int], bool]:
     """The dims reduced, and whether the positions are among them."""
-    dims = _int_dims(dim, x.dim())
+    dims = int_dims(dim, x.dim())
     return dims, positions(x)[1] % x.dim() in dims
 
 
@@ -186,7 +183,7 @@ def _after(x: torch.Tensor, dims: list[int], keepdim: bool) -> int:
     return (pos if keepdim else pos - sum(d < pos for d in dims)) - n
 
 
-def _sum_mean(mode: ShardMode, func, args, kwargs):
+def _sum_mean(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "dim", "keepdim"), args, kwargs)
     x, keepdim = b["input"], bool(b.get("keepdim", False))
     dims, over = _over(mode, x, b.get("dim"))
@@ -200,7 +197,7 @@ def _sum_mean(mode: ShardMode, func, args, kwargs):
     return total / _count(size[d] for d in dims)
 
 
-def _extreme(mode: ShardMode, func, args, kwargs):
+def _extreme(mode: RuleContext, func, args, kwargs):
     name = func.__name__
     b = bind(("input", "dim", "keepdim"), args, kwargs)
     x, keepdim = b["input"], bool(b.get("keepdim", False))
@@ -217,7 +214,7 @@ def _extreme(mode: ShardMode, func, args, kwargs):
     return global_extreme(mode, x, dims, keepdim, largest)
 
 
-def _log_sum_exp(mode: ShardMode, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _log_sum_exp(mode: RuleContext, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global maximum along the positions (a constant: every softmax is invariant to it) and the
     global sum of ``exp(x - max)``, both with ``keepdim``."""
     with torch.no_grad():
@@ -228,7 +225,7 @@ def _log_sum_exp(mode: ShardMode, x: torch.Tensor, dim: int) -> tuple[torch.Tens
     return top, total
 
 
-def _softmax(mode: ShardMode, func, args, kwargs):
+def _softmax(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "dim", "_stacklevel", "dtype"), args, kwargs)
     x, dtype = b["input"], b.get("dtype")
     if b.get("dim") is None:
@@ -247,7 +244,7 @@ def _softmax(mode: ShardMode, func, args, kwargs):
     return mark_positions(out, shape, pos)
 
 
-def _logsumexp(mode: ShardMode, func, args, kwargs):
+def _logsumexp(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "dim", "keepdim"), args, kwargs)
     x, keepdim = b["input"], bool(b.get("keepdim", False))
     dims, over = _over(mode, x, b["dim"])
@@ -261,7 +258,7 @@ def _logsumexp(mode: ShardMode, func, args, kwargs):
 
 
 # -- contractions ---------------------------------------------------------------------------------
-def _matmul(mode: ShardMode, func, args, kwargs):
+def _matmul(mode: RuleContext, func, args, kwargs):
     """``a @ b``: contracting the positions (``a``'s last dim with ``b``'s rows) is a global sum;
     ``a``'s positions as rows, or ``b``'s as columns, times an ordinary matrix is per position."""
     a, b = (args[0], args[1]) if len(args) > 1 else (args[0], kwargs.get("other", kwargs.get("mat2")))
@@ -282,7 +279,7 @@ def _matmul(mode: ShardMode, func, args, kwargs):
                  "or a matrix as long as the positions, is not decomposable)")
 
 
-def _einsum(mode: ShardMode, func, args, kwargs):
+def _einsum(mode: RuleContext, func, args, kwargs):
     equation, operands = args[0], list(args[1:])
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])

@@ -24,18 +24,16 @@ their modules), ``bernoulli``/``bernoulli_``, ``uniform_``, ``normal_``, ``rand`
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..geometry.boxes import shard_box
+from .context import KeySource, RuleContext
 from .layout import pointwise
 from .shards import bind, global_shape, global_size, mark, trailing
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 RULES: dict = {}
 """This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
@@ -173,7 +171,7 @@ def _whole(t: torch.Tensor) -> tuple[Sequence[int], Sequence[int]]:
     return tuple(t.shape), (0,) * t.dim()
 
 
-def shard_locator(mode: ShardMode) -> Locate:
+def shard_locator(mode: RuleContext) -> Locate:
     def locate(t: torch.Tensor):
         shape = global_shape(t)
         if shape is None:
@@ -209,7 +207,7 @@ def _keep_mask(x: torch.Tensor, p: float, name: str, locate: Locate, key: int) -
     return keep.reshape(*lead, *([1] * spatial))
 
 
-def dropout(func, args, kwargs, locate: Locate, key_source: ForwardDraws) -> torch.Tensor:
+def dropout(func, args, kwargs, locate: Locate, key_source: KeySource) -> torch.Tensor:
     name = func.__name__
     b = bind(("input", "p", "training", "inplace"), args, kwargs)
     x, p, training, inplace = b["input"], float(b.get("p", 0.5)), b.get("training", True), b.get("inplace", False)
@@ -230,7 +228,7 @@ def dropout(func, args, kwargs, locate: Locate, key_source: ForwardDraws) -> tor
     return x.mul_(scale) if inplace else x * scale
 
 
-def draw(func, args, kwargs, locate: Locate, draws: ForwardDraws) -> torch.Tensor:
+def draw(func, args, kwargs, locate: Locate, draws: KeySource) -> torch.Tensor:
     """``bernoulli(_)``, ``uniform_``, ``normal_``, ``rand(n)_like``: the values at this block's positions."""
     name = func.__name__
     key = draws.next_key()
@@ -270,7 +268,7 @@ def draw(func, args, kwargs, locate: Locate, draws: ForwardDraws) -> torch.Tenso
 
 
 def factory(func, args, kwargs, size: Sequence[int], full: Sequence[int], offsets: Sequence[int],
-            draws: ForwardDraws) -> torch.Tensor:
+            draws: KeySource) -> torch.Tensor:
     """``torch.rand(size)`` / ``torch.randn(size)``: ``size`` is this block's, ``full`` the whole draw's."""
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     device = kwargs.get("device")
@@ -299,7 +297,7 @@ _ALL = frozenset(DROPOUTS + DRAWS + FACTORIES)
 
 
 # -- under ShardMode -----------------------------------------------------------------------------------
-def _dropout_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+def _dropout_rule(mode: RuleContext, func, args, kwargs, replicated: bool = False):
     x = bind(("input",), args, kwargs)["input"]
     if func.__name__ != "dropout" and global_shape(x) is not None and mode.layout(x) != trailing(mode.dims):
         raise mode.unsupported(func, "its per-channel mask needs the spatial dims last",
@@ -310,7 +308,7 @@ def _dropout_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False)
     return mode.after_replicated(out) if replicated else out
 
 
-def _draw_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+def _draw_rule(mode: RuleContext, func, args, kwargs, replicated: bool = False):
     out = draw(func, args, kwargs, shard_locator(mode), mode.random)
     x = args[0] if args else kwargs["input"]
     if global_shape(x) is not None and global_shape(out) is None:
@@ -318,7 +316,7 @@ def _draw_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False):
     return out
 
 
-def _factory_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+def _factory_rule(mode: RuleContext, func, args, kwargs, replicated: bool = False):
     size = _sizes(args, kwargs)
     d = mode.dims
     kwargs = {k: v for k, v in kwargs.items() if k not in ("size", "generator")}
@@ -331,7 +329,7 @@ def _factory_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False)
     return factory(func, args, kwargs, size, size, [0] * len(size), mode.random)
 
 
-def _refused(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+def _refused(mode: RuleContext, func, args, kwargs, replicated: bool = False):
     raise mode.unsupported(func, "each worker would draw its own values, unlike a single process's one draw",
                            "Draw with torch.rand/randn/bernoulli/dropout (bigconv draws those consistently on "
                            "every shard), or draw outside the model and pass the values in")
@@ -340,7 +338,7 @@ def _refused(mode: ShardMode, func, args, kwargs, replicated: bool = False):
 RRELUS = tuple(f for f in (F.rrelu, getattr(F, "rrelu_", None), torch.rrelu, getattr(torch, "rrelu_", None)) if f)
 
 
-def _rrelu_rule(mode: ShardMode, func, args, kwargs, replicated: bool = False):
+def _rrelu_rule(mode: RuleContext, func, args, kwargs, replicated: bool = False):
     """RReLU: in eval mode a fixed slope (pointwise); in training mode a slope drawn per element with
     torch's generator, which each worker would draw for itself."""
     b = bind(("input", "lower", "upper", "training"), args, kwargs)

@@ -11,16 +11,13 @@ refused, as are indices into the whole image (``argmax`` over positions).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from .layout import _int_dims, _neg, _nonneg, pointwise
+from .context import RuleContext
+from .dims import int_dims, neg_dims, nonneg_dims
+from .layout import pointwise
 from .shards import bind, global_shape, mark_positions, trailing
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 _SOME_SPATIAL_FIX = "Reduce over all spatial dims at once, or over batch and channel dims only"
 
@@ -35,17 +32,17 @@ PROPERTY_RULES: dict = {}
 """Its rules for tensor attributes, by name."""
 
 
-def _after(mode: ShardMode, x: torch.Tensor, reduced: list[int], keepdim: bool) -> tuple[int, ...]:
+def _after(mode: RuleContext, x: torch.Tensor, reduced: list[int], keepdim: bool) -> tuple[int, ...]:
     """Where the spatial dims of ``x`` are after removing ``reduced`` dims (none of them spatial)."""
-    spatial = _nonneg(mode.layout(x), x.dim())
+    spatial = nonneg_dims(mode.layout(x), x.dim())
     if keepdim:
         return mode.layout(x)
-    return _neg([p - sum(r < p for r in reduced) for p in spatial], x.dim() - len(reduced))
+    return neg_dims([p - sum(r < p for r in reduced) for p in spatial], x.dim() - len(reduced))
 
 
-def _classify(mode: ShardMode, func, x: torch.Tensor, dim) -> tuple[list[int], str]:
-    dims = _int_dims(dim, x.dim())
-    spatial = set(_nonneg(mode.layout(x), x.dim()))
+def _classify(mode: RuleContext, func, x: torch.Tensor, dim) -> tuple[list[int], str]:
+    dims = int_dims(dim, x.dim())
+    spatial = set(nonneg_dims(mode.layout(x), x.dim()))
     if not spatial & set(dims):
         return dims, "local"
     if not spatial <= set(dims):
@@ -53,7 +50,7 @@ def _classify(mode: ShardMode, func, x: torch.Tensor, dim) -> tuple[list[int], s
     return dims, "global"
 
 
-def sum_mean(mode: ShardMode, func, args, kwargs, mean: bool):
+def sum_mean(mode: RuleContext, func, args, kwargs, mean: bool):
     b = bind(("input", "dim", "keepdim"), args, kwargs)
     x, keepdim = b["input"], bool(b.get("keepdim", False))
     if set(b) - {"input", "dim", "keepdim", "dtype"}:
@@ -74,7 +71,7 @@ def sum_mean(mode: ShardMode, func, args, kwargs, mean: bool):
     return total / count
 
 
-def global_extreme(mode: ShardMode, x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool):
+def global_extreme(mode: RuleContext, x: torch.Tensor, dims: list[int], keepdim: bool, largest: bool):
     """The maximum (or minimum) over every shard, with ``amax``'s gradient: shared evenly among all
     positions that attain it, wherever they live.
 
@@ -94,7 +91,7 @@ def global_extreme(mode: ShardMode, x: torch.Tensor, dims: list[int], keepdim: b
     return value + mode.executor.allsum(zero) / count
 
 
-def _extreme(mode: ShardMode, func, args, kwargs):
+def _extreme(mode: RuleContext, func, args, kwargs):
     """amax/amin (any dims), max/min (no dim: the global value; dim: values and indices, channels only)."""
     name = func.__name__
     largest = name in ("amax", "max")
@@ -119,7 +116,7 @@ def _extreme(mode: ShardMode, func, args, kwargs):
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
 
 
-def _over_dim(mode: ShardMode, func, args, kwargs):
+def _over_dim(mode: RuleContext, func, args, kwargs):
     """softmax, log_softmax, cumsum, argmax, std, var, logsumexp, prod, norm, any, all over batch or channels."""
     x = args[0]
     name = func.__name__.removeprefix("linalg_")  # torch.linalg.vector_norm's C name is linalg_vector_norm
@@ -140,7 +137,7 @@ def _over_dim(mode: ShardMode, func, args, kwargs):
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
 
 
-def _linear(mode: ShardMode, func, args, kwargs):
+def _linear(mode: RuleContext, func, args, kwargs):
     """Linear over the last dim: per position when that dim is channels (a channels-last view)."""
     x = args[0] if args else kwargs["input"]
     if -1 in mode.layout(x):
@@ -150,14 +147,14 @@ def _linear(mode: ShardMode, func, args, kwargs):
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
 
 
-def _flatten(mode: ShardMode, func, args, kwargs):
+def _flatten(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "start_dim", "end_dim"), args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     start, end = b.get("start_dim", 0) % x.dim(), b.get("end_dim", -1) % x.dim()
-    spatial = _nonneg(mode.layout(x), x.dim())
+    spatial = nonneg_dims(mode.layout(x), x.dim())
     if not set(spatial) & set(range(start, end + 1)):
         out_dims = [p - (end - start) if p > end else p for p in spatial]
-        return mode.tag_outputs(func(*args, **kwargs), shape, _neg(out_dims, x.dim() - (end - start)))
+        return mode.tag_outputs(func(*args, **kwargs), shape, neg_dims(out_dims, x.dim() - (end - start)))
     if mode.dims > 1 and start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
         # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions); reductions over
         # them are global, anything else gathers them whole as below

@@ -14,15 +14,11 @@ order no shard holds: refused, with the fix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..geometry.index_maps import Roll
+from .context import RuleContext
 from .shards import bind, global_shape, mark
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 RULES: dict = {}
 """This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
@@ -31,7 +27,7 @@ LAYOUT_AWARE: set = set()
 PROPERTY_RULES: dict = {}
 
 
-def spatial_shifts(mode: ShardMode, func, x: torch.Tensor, shifts, dims) -> tuple[list[int], dict[int, int]]:
+def spatial_shifts(mode: RuleContext, func, x: torch.Tensor, shifts, dims) -> tuple[list[int], dict[int, int]]:
     """(each grid axis's shift, the other dims' shifts by non-negative dim), summing repeated dims as
     ``torch.roll`` does."""
     if dims is None or (not isinstance(dims, int) and len(dims) == 0):
@@ -52,7 +48,7 @@ def spatial_shifts(mode: ShardMode, func, x: torch.Tensor, shifts, dims) -> tupl
     return by_axis, other
 
 
-def _roll(mode: ShardMode, func, args, kwargs):
+def _roll(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "shifts", "dims"), args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     by_axis, other = spatial_shifts(mode, func, x, b["shifts"], b.get("dims"))

@@ -8,7 +8,7 @@ coordinate. ``bigconv.ops.mode`` (the ``ShardMode``) dispatches calls on such te
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -90,21 +90,6 @@ def with_input(func: Callable, args: Sequence, kwargs: dict) -> Callable:
         return func(**{**kwargs, "input": t})
 
     return call
-
-
-class Executor(Protocol):
-    """Where this shard lives and how it talks to the others (``executors.ShardExecutor``)."""
-
-    grid: tuple[int, ...]
-
-    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
-
-    def local_part(self, t: torch.Tensor, shape: Sequence[int], dims: Sequence[int] | None = None
-                   ) -> torch.Tensor: ...
-
-    def fits(self, shape: Sequence[int]) -> bool: ...
-
-    def allsum(self, partial: torch.Tensor) -> torch.Tensor: ...
 
 
 class ModulePath:

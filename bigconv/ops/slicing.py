@@ -9,18 +9,16 @@ axis is computed whole on every worker, as other small maps are (``ShardMode.win
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from ..geometry.boxes import Window
+from .context import RuleContext
 from .shards import global_shape, mark, trailing
 
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
-
-def spatial_slices(mode: ShardMode, func, index: tuple, spatial: list[int]) -> dict[int, slice] | None:
+def spatial_slices(mode: RuleContext, func, index: tuple, spatial: list[int]) -> dict[int, slice] | None:
     """Position in ``index`` -> slice, for the spatial dims it cuts (None when it cuts none)."""
     crops, in_dim = {}, 0
     for pos, i in enumerate(index):
@@ -40,7 +38,7 @@ def spatial_slices(mode: ShardMode, func, index: tuple, spatial: list[int]) -> d
     return crops
 
 
-def crop(mode: ShardMode, func, x: torch.Tensor, slices: Sequence[slice]) -> torch.Tensor:
+def crop(mode: RuleContext, func, x: torch.Tensor, slices: Sequence[slice]) -> torch.Tensor:
     """``x[..., *slices]`` over the spatial dims of sharded ``x`` (which must be trailing)."""
     shape = global_shape(x)
     layout = tuple(mode.layout(x))

@@ -11,16 +11,12 @@ PyTorch's ops are 2D only (they act on the last two dims), so both need a 2D gri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from ..geometry.boxes import TransposedWindow, Window
+from .context import RuleContext
 from .shards import bind, global_shape, mark, trailing, with_input
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 
 RULES: dict = {}
@@ -33,7 +29,7 @@ PROPERTY_RULES: dict = {}
 """Its rules for tensor attributes, by name."""
 
 
-def _factor(mode: ShardMode, func, args, kwargs, name: str) -> int:
+def _factor(mode: RuleContext, func, args, kwargs, name: str) -> int:
     b = bind(("input", name), args, kwargs)
     if mode.dims != 2:
         raise mode.unsupported(func, f"PyTorch's {func.__name__} rearranges the last two dims, but the grid has "
@@ -41,7 +37,7 @@ def _factor(mode: ShardMode, func, args, kwargs, name: str) -> int:
     return int(b[name])
 
 
-def _pixel_shuffle(mode: ShardMode, func, args, kwargs):
+def _pixel_shuffle(mode: RuleContext, func, args, kwargs):
     """Depth to space: out[c, h*r + i, w*r + j] = in[c*r*r + i*r + j, h, w]."""
     r = _factor(mode, func, args, kwargs, "upscale_factor")
     x = args[0] if args else kwargs["input"]
@@ -65,7 +61,7 @@ def _pixel_shuffle(mode: ShardMode, func, args, kwargs):
     return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=None), out_shape)
 
 
-def _pixel_unshuffle(mode: ShardMode, func, args, kwargs):
+def _pixel_unshuffle(mode: RuleContext, func, args, kwargs):
     """Space to depth: out[c*r*r + i*r + j, h, w] = in[c, h*r + i, w*r + j]."""
     r = _factor(mode, func, args, kwargs, "downscale_factor")
     x = args[0] if args else kwargs["input"]
@@ -96,7 +92,7 @@ def _gather_factors(lead: int, d: int) -> list[int]:
     return list(range(lead)) + [lead + 2 * k + 1 for k in range(d)] + [lead + 2 * k for k in range(d)]
 
 
-def block_factors(mode: ShardMode, x: torch.Tensor, target: list) -> tuple[bool, list[int]] | None:
+def block_factors(mode: RuleContext, x: torch.Tensor, target: list) -> tuple[bool, list[int]] | None:
     """(True, r's) for a reshape of (lead, n_1, r_1, ..., n_d, r_d), spatial dims at the n's, into
     (lead, n_1*r_1, ..., n_d*r_d); (False, r's) for one of (lead, n_1, ..., n_d), spatial dims trailing,
     into (lead, n_1/r_1, r_1, ..., n_d/r_d, r_d); else None."""
@@ -116,7 +112,7 @@ def block_factors(mode: ShardMode, x: torch.Tensor, target: list) -> tuple[bool,
     return None
 
 
-def merge_spatial(mode: ShardMode, func, x, factors: list[int]):
+def merge_spatial(mode: RuleContext, func, x, factors: list[int]):
     """``reshape`` of (lead, n_1, r_1, ..., n_d, r_d), spatial dims at the n's, into (lead, n_1*r_1, ...):
     depth to space, as MONAI's ``pixelshuffle`` ends. Output row ``h*r + i`` reads row ``h``, factor ``i``."""
     shape, d = global_shape(x), len(factors)
@@ -141,7 +137,7 @@ def merge_spatial(mode: ShardMode, func, x, factors: list[int]):
     return mark(mode.executor.region_op(y, shape, windows, op, mode.where(), fill=None), out_shape)
 
 
-def split_spatial(mode: ShardMode, func, x, factors: list[int]):
+def split_spatial(mode: RuleContext, func, x, factors: list[int]):
     """``view`` of (lead, n_1, ..., n_d), spatial dims trailing, as (lead, n_1/r_1, r_1, ..., n_d/r_d, r_d):
     space to depth, as timm's ``SpaceToDepth`` begins. The result's spatial dims are the n/r's, and the
     shard borders of that image fall on multiples of r of the input, wherever the input's fell."""

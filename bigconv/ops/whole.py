@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from .mode import active_mode
+from .mode import ShardMode, active_mode
 from .shards import REPLICATED_ATTR, UnsupportedOperation, global_shape, mark, positions, trailing, tree_flatten
 
 HOLD_ATTR = "_bigconv_hold_whole"
@@ -54,7 +54,7 @@ def install(model: nn.Module) -> None:
             module.register_forward_hook(_leave)
 
 
-def _whole(mode, t: torch.Tensor, layout: tuple) -> torch.Tensor:
+def _whole(mode: ShardMode, t: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The whole of sharded ``t`` on every shard, its spatial dims where they were."""
     spatial = [d % t.dim() for d in layout]
     order = [d for d in range(t.dim()) if d not in spatial] + spatial

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +19,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..geometry.boxes import TransposedWindow, Window, shard_box
 from ..geometry.index_maps import PadMap, Resize, resize_sizes
+from .context import RuleContext
 from .reduce import sum_mean
 from .shards import bind, global_shape, mark, ntuple, trailing, with_input
-
-if TYPE_CHECKING:  # annotations only: the mode imports the rules' table
-    from .mode import ShardMode
 
 
 RULES: dict = {}
@@ -51,7 +49,7 @@ def _conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Wind
     return windows
 
 
-def _conv(mode: ShardMode, func, args, kwargs):
+def _conv(mode: RuleContext, func, args, kwargs):
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
     b = dict(zip(names, args), **kwargs)
     x, weight = b["input"], b["weight"]
@@ -74,7 +72,7 @@ def _conv(mode: ShardMode, func, args, kwargs):
 
 
 
-def _pool_windows(mode: ShardMode, b: dict, dilation=1) -> list[Window]:
+def _pool_windows(mode: RuleContext, b: dict, dilation=1) -> list[Window]:
     n = mode.dims
     kernel = ntuple(b["kernel_size"], n)
     stride = ntuple(b.get("stride") or kernel, n)  # PyTorch: stride None or [] means the kernel size
@@ -90,7 +88,7 @@ def _out_shape(windows, shape):
 _MAX_NAMES = ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
 
 
-def _max_pool(mode: ShardMode, func, args, kwargs):
+def _max_pool(mode: RuleContext, func, args, kwargs):
     b = bind(_MAX_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     if b.get("return_indices", False) or "with_indices" in getattr(func, "__name__", ""):
@@ -127,7 +125,7 @@ def _divisors(windows, shape, out_box, count_include_pad: bool) -> list[list[int
     return per_dim
 
 
-def _avg_pool(mode: ShardMode, func, args, kwargs):
+def _avg_pool(mode: RuleContext, func, args, kwargs):
     b = bind(_AVG_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     windows = _pool_windows(mode, b)
@@ -162,7 +160,7 @@ def _avg_pool(mode: ShardMode, func, args, kwargs):
     return mark(mode.executor.region_op(x, shape, windows, op, mode.where(), fill=0.0), out_shape)
 
 
-def _adaptive(mode: ShardMode, func, args, kwargs, kind: str):
+def _adaptive(mode: RuleContext, func, args, kwargs, kind: str):
     x = args[0]
     shape = global_shape(x)
     size = args[1] if len(args) > 1 else kwargs["output_size"]
@@ -190,7 +188,7 @@ def _adaptive(mode: ShardMode, func, args, kwargs, kind: str):
 _CONVT_NAMES = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
 
 
-def _conv_transpose(mode: ShardMode, func, args, kwargs):
+def _conv_transpose(mode: RuleContext, func, args, kwargs):
     b = bind(_CONVT_NAMES, args, kwargs)
     x, weight, bias = b["input"], b["weight"], b.get("bias")
     shape = global_shape(x)
@@ -266,7 +264,7 @@ def _apply_taps(region: torch.Tensor, taps, dims: int) -> torch.Tensor:
     return out
 
 
-def _index_map(mode: ShardMode, x, shape, maps, whole):
+def _index_map(mode: RuleContext, x, shape, maps, whole):
     out_shape = tuple(m.n_out for m in maps)
     if not mode.executor.fits(out_shape):
         return mode.windowed_whole(x, shape, out_shape, whole)
@@ -277,7 +275,7 @@ def _index_map(mode: ShardMode, x, shape, maps, whole):
 _PAD_NAMES = ("input", "pad", "mode", "value")
 
 
-def _pad(mode: ShardMode, func, args, kwargs):
+def _pad(mode: RuleContext, func, args, kwargs):
     b = bind(_PAD_NAMES, args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
     pad, kind = list(b["pad"]), b.get("mode", "constant") or "constant"
@@ -314,7 +312,7 @@ def _pad(mode: ShardMode, func, args, kwargs):
     return _index_map(mode, x, shape, maps, whole)
 
 
-def _pad_moved(mode: ShardMode, func, x, shape, pad: list, kind: str, value):
+def _pad_moved(mode: RuleContext, func, x, shape, pad: list, kind: str, value):
     """``F.pad`` of a map whose spatial dims are not last (Swin pads a channels-last map): the same
     padding with the spatial dims moved last, and moved back."""
     per_dim = [(0, 0)] * (x.dim() - len(pad) // 2) + [(pad[2 * i], pad[2 * i + 1])
@@ -331,7 +329,7 @@ _INTERP_NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "reco
 _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
 
-def _resize_maps(mode: ShardMode, func, args, kwargs, shape):
+def _resize_maps(mode: RuleContext, func, args, kwargs, shape):
     b = bind(_INTERP_NAMES, args, kwargs)
     kind = b.get("mode", "nearest")
     if kind not in ("nearest", "nearest-exact") and kind not in _LINEAR:
@@ -346,7 +344,7 @@ def _resize_maps(mode: ShardMode, func, args, kwargs, shape):
     return [Resize(n, s, tap_mode, bool(b.get("align_corners")), sc) for n, s, sc in zip(shape, sizes, scales)]
 
 
-def _interpolate(mode: ShardMode, func, args, kwargs):
+def _interpolate(mode: RuleContext, func, args, kwargs):
     x = args[0] if args else kwargs["input"]
     shape = global_shape(x)
     maps = _resize_maps(mode, func, args, kwargs, shape)
@@ -354,7 +352,7 @@ def _interpolate(mode: ShardMode, func, args, kwargs):
     return whole(x) if maps is None else _index_map(mode, x, shape, maps, whole)
 
 
-def _interpolate_whole(mode: ShardMode, func, args, kwargs, replicated: bool):
+def _interpolate_whole(mode: RuleContext, func, args, kwargs, replicated: bool):
     """A whole map (a pooled context vector, a replicated deep map) resized to a shardable size.
 
     Each shard evaluates only its own outputs' taps on the whole input it already holds (ASPP's
