@@ -143,46 +143,6 @@ def run_plain(cfg: RunConfig) -> dict:
             "budget": budget, "per_worker": [per]}
 
 
-def run_dsn(cfg: RunConfig, world=None) -> dict:
-    """A DSN (``multidsn.bench``) with 1 source and ``cfg.targets`` targets, single process or distributed with
-    ``cfg.placement``."""
-    import bigconv
-    from multidsn import bench
-
-    from bigconv.harness import recorder
-    from bigconv.harness.recorder import Recorder
-
-    dtype = getattr(torch, cfg.dtype)
-    kwargs = dict(steps=cfg.steps + 1, width=cfg.width, batch_size=cfg.batch, depth=cfg.depth, dtype=dtype)
-    warm = dict(kwargs, steps=1)
-    placement = cfg.placement or "domain"
-    if cfg.workers == 0:
-        bench.run_steps(8 * 2**cfg.depth, cfg.targets, **warm)
-        rec = Recorder(cfg.device, enabled=cfg.record)
-        rec.start()
-        r = bench.run_steps(cfg.size, cfg.targets, **kwargs)
-        per = [rec.stop() if cfg.record else {}]
-        grid = None
-    else:
-        own = world is None
-        world = world or bigconv.World(workers=cfg.workers, device=cfg.device,
-                                       threads_per_worker=max(1, (os.cpu_count() or 1) // cfg.workers),
-                                       timeout=max(60.0, cfg.timeout_s / 3))
-        try:
-            bench.run_steps(8 * 2**cfg.depth, cfg.targets, placement=placement, world=world, **warm)
-            world.call(recorder.worker_start, [(cfg.record,)] * world.workers, "starting the recorders")
-            r = bench.run_steps(cfg.size, cfg.targets, placement=placement, world=world, **kwargs)
-            per = world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders")
-        finally:
-            if own:
-                world.close()
-        grid = None
-        for i, p in enumerate(per):
-            p["used"] = i in r["workers"]
-    return {"grid": grid, "step_s": min(r["step_s"][1:]), "step_times_s": r["step_s"][1:], "loss": r["loss"],
-            "budget": None, "per_worker": per}
-
-
 def run_world(cfg: RunConfig, world=None) -> dict:
     """On ``world`` (one launched by a cluster launcher), or on a fresh local World of ``cfg.workers``."""
     import bigconv
@@ -229,7 +189,9 @@ def run_here(cfg: RunConfig, world=None) -> dict:
     t0 = time.perf_counter()
     try:
         if cfg.model == "dsn":
-            r = run_dsn(cfg, world)
+            from multidsn.bench import run_config
+
+            r = run_config(cfg, world)
         else:
             r = run_plain(cfg) if cfg.workers == 0 else run_spmd(cfg) if cfg.mode == "spmd" else run_world(cfg, world)
     except Exception as exc:
