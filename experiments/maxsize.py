@@ -8,7 +8,7 @@
 - CPU: a size fits when its run ends ``ok`` with every worker's measured peak (RSS above the warm
   idle baseline) within the budget.
 
-Each probe is one configuration in fresh processes (``bigconv.harness.runner``), recorded with
+Each probe is one configuration in fresh processes (``experiments.runs``), recorded with
 ``purpose: maxsize``; a rerun reuses the probes already in the file. The search predicts the next
 edge from the measured peaks (peak ~ a + b * elements), then brackets and bisects until the edges
 that fit and fail are within ``--tolerance`` of each other. One ``maxsize`` record per worker count
@@ -23,7 +23,8 @@ from dataclasses import asdict, replace
 
 from bigconv import progress
 from bigconv.harness import records, registry
-from bigconv.harness.runner import RunConfig, run_fresh
+from bigconv.harness.runner import RunConfig
+from experiments.runs import run_fresh
 from experiments import presets
 from experiments.sweep import int_list, label, parse_amount, summary
 from plots.tables import maxsize_table

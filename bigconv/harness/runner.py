@@ -2,6 +2,10 @@
 
     python -m bigconv.harness.runner '{"model": "cnn2d", "size": 512, "workers": 2}'   # prints RECORD {...}
 
+The DSN (model ``dsn``) is multidsn's, a layer above: its run comes in through ``tasks`` (``run_here``,
+``main``) and its fresh process through ``entry`` (``run_fresh``); ``experiments.runs`` passes both, and
+runs every model.
+
 ``run_fresh`` starts this module in a new process (peak RSS never resets across configurations;
 a World's workers are new processes too) and turns whatever happens into one record: ``ok``, ``oom``
 (an allocator's out-of-memory error anywhere, a process killed by SIGKILL, presumably by the
@@ -19,6 +23,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -183,15 +188,22 @@ def describe(cfg: RunConfig) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def run_here(cfg: RunConfig, world=None) -> dict:
-    """Run ``cfg`` in this process (and its workers, or on ``world``); the full record, whatever happens."""
+TaskRun = Callable[[RunConfig, Any], dict]
+"""A run of one configuration whose model task this module does not run itself (``cfg``, a World or None)
+-> the part of the record that ``run_plain`` returns."""
+
+
+def run_here(cfg: RunConfig, world=None, tasks: Mapping[str, TaskRun] | None = None) -> dict:
+    """Run ``cfg`` in this process (and its workers, or on ``world``); the full record, whatever happens.
+    ``tasks``: the runs of the registry's tasks that live above the harness (``"dsn"``), by task."""
     record = describe(cfg)
     t0 = time.perf_counter()
+    task = registry.spec(cfg.model).task
     try:
-        if cfg.model == "dsn":
-            from multidsn.bench import run_config
-
-            r = run_config(cfg, world)
+        if task in (tasks or {}):
+            r = tasks[task](cfg, world)
+        elif task == "dsn":
+            raise ValueError("the DSN's run is multidsn's: run a dsn configuration through experiments.runs")
         else:
             r = run_plain(cfg) if cfg.workers == 0 else run_spmd(cfg) if cfg.mode == "spmd" else run_world(cfg, world)
     except Exception as exc:
@@ -208,10 +220,10 @@ def run_here(cfg: RunConfig, world=None) -> dict:
     return record
 
 
-def run_fresh(cfg: RunConfig, extra_env: dict | None = None) -> dict:
-    """Run ``cfg`` in a new process; a record even if that process dies or runs out of time."""
-    return fresh_process(["bigconv.harness.runner", json.dumps(asdict(cfg))], cfg.timeout_s, describe(cfg),
-                         extra_env)
+def run_fresh(cfg: RunConfig, extra_env: dict | None = None, entry: str = "bigconv.harness.runner") -> dict:
+    """Run ``cfg`` in a new process (``python -m entry CONFIG``: this module's ``main``, or one that calls it
+    with its ``tasks``); a record even if that process dies or runs out of time."""
+    return fresh_process([entry, json.dumps(asdict(cfg))], cfg.timeout_s, describe(cfg), extra_env)
 
 
 def fresh_process(module_args: list[str], timeout_s: float, base: dict, extra_env: dict | None = None) -> dict:
@@ -241,11 +253,11 @@ def fresh_process(module_args: list[str], timeout_s: float, base: dict, extra_en
             "run_s": time.perf_counter() - t0}
 
 
-def main() -> None:
+def main(tasks: Mapping[str, TaskRun] | None = None) -> None:
     cfg = RunConfig.from_dict(json.loads(sys.argv[1]))
     if cfg.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(MARK + json.dumps(run_here(cfg)), flush=True)
+    print(MARK + json.dumps(run_here(cfg, tasks=tasks)), flush=True)
 
 
 if __name__ == "__main__":
