@@ -202,7 +202,7 @@ def _single(cfg: AltConfig) -> dict:
 
 def _driver(cfg: AltConfig, world) -> dict:
     import bigconv
-    from bigconv.runtime import worker
+    from bigconv.harness.workload import reset_worker_memory, worker_memory
 
     dtype = getattr(torch, cfg.dtype)
     wrap = Checkpointed if cfg.method == "bigconv_checkpoint" else (lambda m: m)
@@ -212,14 +212,14 @@ def _driver(cfg: AltConfig, world) -> dict:
     warm.train_step(x, y, nn.CrossEntropyLoss())
     del warm, m
     model, x, y = _build(cfg, cfg.size, dtype)
-    world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
+    reset_worker_memory(world)
     meter = PeakMeter("cpu")
     net = bigconv.parallelize(wrap(model), world)
     net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     times = _timed(lambda a, b: net.train_step(a, b, loss_fn), x, y, cfg.steps)
     driver = meter.read()
-    per = world.call(worker.memory, [()] * world.workers, "reading memory")
+    per = worker_memory(world)
     grid = list(net.plan(x).grid)
     peaks = [p["peak_bytes"] for p in per] + [driver["peak_bytes"]]
     return {"grid": grid, "step_s": min(times) if times else None, "step_times_s": times, "per_worker": per,

@@ -36,12 +36,11 @@ import torch
 
 import bigconv
 from bigconv import memory
-from bigconv.runtime import worker
 from bigconv.data import SourceBatch, open_image, synthetic_slide
 from bigconv.engine.dry_run import dry_run, meta_copy
 from bigconv.geometry.boxes import shard_box
 from bigconv.harness import records
-from bigconv.harness.workload import environment
+from bigconv.harness.workload import environment, reset_worker_memory, worker_memory, worker_traffic
 from bigconv.memory import PeakMeter
 from bigconv.models import SlideCNN
 from bigconv.runtime.world import WORKER_ENV
@@ -122,14 +121,14 @@ def run(kind: str, source, steps: int, workers: int) -> dict:
             x = SourceBatch([source]).read()  # the driver holds the slide, as before bigconv.data
         net.train_step(x, y, torch.nn.CrossEntropyLoss())  # warm-up: plans, buffers, first reads
         first = driver.read()["peak_rss_bytes"]  # from before the input existed, through the first step
-        world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
+        reset_worker_memory(world)
         driver.reset()
         if kind == "prefetch":
             # Fill the pipeline, inside the memory peak (it holds a step's shard more) but outside the
             # timed steps: from here on every step's reads ran during the step before, as mid-epoch.
             net.prefetch(views[1])
             net.train_step(views[0], y, torch.nn.CrossEntropyLoss())
-        before = world.call(worker.transport_stats, [()] * world.workers, "reading traffic")
+        before = worker_traffic(world)
         times = []
         for step in range(steps):
             if kind != "tensor":
@@ -139,8 +138,8 @@ def run(kind: str, source, steps: int, workers: int) -> dict:
                 net.prefetch(views[step % 2])  # the next step's, read while this one trains
             net.train_step(x, y, torch.nn.CrossEntropyLoss())
             times.append(time.perf_counter() - t0)
-        peaks = world.call(worker.memory, [()] * world.workers, "reading memory")
-        after = world.call(worker.transport_stats, [()] * world.workers, "reading traffic")
+        peaks = worker_memory(world)
+        after = worker_traffic(world)
     stats = [{k: a[k] - b.get(k, 0) for k in a if isinstance(a[k], (int, float))} for a, b in zip(after, before)]
     busy = sum(times)
     return {"kind": kind, "driver_peak_bytes": max(first, driver.read()["peak_rss_bytes"]),

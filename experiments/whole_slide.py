@@ -25,8 +25,8 @@ import torch
 
 import bigconv
 from bigconv import progress
-from bigconv.runtime import worker
 from bigconv.data import open_image, synthetic_slide
+from bigconv.harness.workload import reset_worker_memory, worker_memory, worker_traffic
 from bigconv.memory import PeakMeter
 from bigconv.models import SlideCNN
 from bigconv.harness import cli
@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     with bigconv.World(workers=args.workers) as world:
         net = bigconv.parallelize(model, world)
         net.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
-        world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
+        reset_worker_memory(world)
         driver = PeakMeter()
         rng = np.random.default_rng(0)
         with progress.bars_and_logs(), progress.bar(args.steps, "training", args, unit="step") as pb:
@@ -104,8 +104,8 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         features.predict([sources[0]], out=out, overwrite=True)
         print(f"prediction of {os.path.basename(paths[0])} -> {out} ({time.perf_counter() - t0:.1f} s)")
-        peaks = world.call(worker.memory, [()] * world.workers, "reading memory")
-        stats = world.call(worker.transport_stats, [()] * world.workers, "reading traffic")
+        peaks = worker_memory(world)
+        stats = worker_traffic(world)
         mine = driver.read()["peak_rss_bytes"]
     for i, (m, s) in enumerate(zip(peaks, stats)):
         print(f"  worker{i}: peak {m['peak_rss_bytes'] / MiB:7.1f} MiB above idle; read {s['read_bytes'] / MiB:.0f} MiB "

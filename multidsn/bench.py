@@ -2,7 +2,7 @@
 
 ``run_steps`` builds a DSN of a given image size, K and width, a synthetic batch, and runs training steps
 in this process or on a World. Memory is the caller's to measure (around the call in this process for
-``placement="single"``; with ``bigconv.runtime.worker.reset_memory``/``memory`` over RPC on ``result["workers"]``
+``placement="single"``; with ``bigconv.harness.workload.reset_worker_memory``/``worker_memory`` on ``result["workers"]``
 otherwise), so the harness keeps one method for every model.
 """
 

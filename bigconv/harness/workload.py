@@ -123,6 +123,24 @@ def plain_in_fresh_process(w: Workload, threads: int = 1) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def reset_worker_memory(world: bigconv.World) -> None:
+    """Start a new memory peak and new traffic counts on every worker of ``world``, from what each holds now
+    (e.g. after a warm-up)."""
+    world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
+
+
+def worker_memory(world: bigconv.World) -> list[dict]:
+    """Each worker's peak memory above its idle baseline (``peak_bytes``, ``peak_rss_bytes``, ...), with its
+    device and the sources of the figures."""
+    return world.call(worker.memory, [()] * world.workers, "reading memory")
+
+
+def worker_traffic(world: bigconv.World) -> list[dict]:
+    """Each worker's transport counts since its start or last reset (halo messages and bytes, bytes read from
+    files and the time it took, ...)."""
+    return world.call(worker.transport_stats, [()] * world.workers, "reading transport stats")
+
+
 def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool = True, record: bool = False,
                       budget_bytes: int | None = None, transport: str = "p2p") -> dict:
     """Train on ``world``; per-worker memory is each worker's peak above its baseline (taken after a
@@ -137,7 +155,7 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
     if record:
         world.call(recorder.worker_start, [()] * world.workers, "starting the recorders")
     elif warm:
-        world.call(worker.reset_memory, [()] * world.workers, "resetting memory peaks")
+        reset_worker_memory(world)
     model, x, y = w.build()
     net = bigconv.parallelize(model, world, grid=tuple(grid) if grid else None, transport=transport)
     net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
@@ -150,8 +168,8 @@ def train_distributed(w: Workload, world: bigconv.World, grid=None, warm: bool =
             times.append(time.perf_counter() - t0)
     recs = (world.call(recorder.worker_stop, [()] * world.workers, "stopping the recorders") if record
             else [{}] * world.workers)
-    mem = world.call(worker.memory, [()] * world.workers, "reading memory")
-    traffic = world.call(worker.transport_stats, [()] * world.workers, "reading transport stats")
+    mem = worker_memory(world)
+    traffic = worker_traffic(world)
     return {"grid": list(net.plan(x).grid), "step_s": min(times) if times else None, "step_times_s": times,
             "loss": loss, "transport": transport,
             "workers": world.workers, "warm_baseline": warm, "budget": limits[0] if limits else None,
