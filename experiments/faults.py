@@ -42,10 +42,13 @@ INJECTED = {"worker_kill_forward": "forward", "worker_kill_backward": "backward"
             "worker_kill_allreduce": "allreduce"}
 
 
-# -- on worker1 (called by RPC) -------------------------------------------------------------------
-def arm(kind: str) -> None:
-    """Make this worker SIGKILL itself at the next forward, backward or gradient allreduce."""
+# -- on every worker (World.call); only worker1 is given a kind -----------------------------------
+def arm(kind: str | None) -> None:
+    """Make this worker SIGKILL itself at the next forward, backward or gradient allreduce (None: nothing)."""
     import torch.distributed as dist
+
+    if kind is None:
+        return
 
     from bigconv import transport
 
@@ -67,7 +70,6 @@ def arm(kind: str) -> None:
 # -- the driver process -----------------------------------------------------------------------------
 def drive(scenario: str, log_path: str, timeout: float, steps: int) -> None:
     import torch
-    import torch.distributed.rpc as rpc
 
     import bigconv
     from bigconv.models import CNN2D
@@ -84,7 +86,7 @@ def drive(scenario: str, log_path: str, timeout: float, steps: int) -> None:
             if step == 2 and scenario in INJECTED:
                 # by its module's name: workers cannot unpickle a function of the driver's __main__
                 remote_arm = importlib.import_module("experiments.faults").arm
-                rpc.rpc_sync("worker1", remote_arm, args=(INJECTED[scenario],))
+                world.call(remote_arm, [(None,), (INJECTED[scenario],)], "arming the fault on worker1")
                 print(f"FAULT {time.time()}", flush=True)
             try:
                 net.train_step(x, y, torch.nn.CrossEntropyLoss())
