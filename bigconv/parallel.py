@@ -15,7 +15,8 @@ import torch
 import torch.distributed.rpc as rpc
 import torch.nn as nn
 
-from . import checks, losses, saving
+from . import input_checks as checks
+from . import losses, saving
 from .runtime import worker
 from .data.sources import ShardRead, SourceBatch, class_index_targets, is_source_batch
 from .engine.executor import join_shards, split_shards

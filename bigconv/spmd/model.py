@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .. import checks, saving
+from .. import input_checks as checks
+from .. import saving
 from .agreement import agree
 from ..data import prefetch
 from ..data.sources import SourceBatch, ShardRead, class_index_targets, is_source_batch
