@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import checks, losses, saving
+from . import input_checks as checks
+from . import losses, saving
 from .data.sources import ShardRead, is_source_batch
 from .engine.executor import join_shards
 from .engine.step import OutputGradients, PerShardLoss, ShardCall, StepCommand, shard_calls

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import checks, losses, saving
+from . import input_checks, losses, saving
 from .data import outputs
 from .data.sources import SourceBatch, is_source_batch, target_stand_in
 from .engine.dry_run import dry_run, meta_copy
@@ -39,7 +39,7 @@ class Planner:
         if is_source_batch(x):
             x = SourceBatch(x)
         else:
-            checks.check_input(x, self.check_finite)
+            input_checks.check_input(x, self.check_finite)
         key = (tuple(x.shape), x.dtype, training)
         if key not in self._plans:
             self._plans[key] = self._make_plan(x, training)
@@ -68,7 +68,7 @@ class Planner:
             raise
         except (RuntimeError, TypeError, IndexError, NotImplementedError) as exc:
             # A model may cast its input itself, so a dtype mismatch is named only once the dry run failed.
-            checks.check_dtype(x.dtype, checks.model_dtype(self.meta), sources=isinstance(x, SourceBatch))
+            input_checks.check_dtype(x.dtype, input_checks.model_dtype(self.meta), sources=isinstance(x, SourceBatch))
             raise ValueError(
                 f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
                 f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "
@@ -80,7 +80,7 @@ class Planner:
         """Check the targets (before remote work); whether the loss is computed shard by shard."""
         y_sources = is_source_batch(y)
         if self.check_finite and not y_sources:  # target sources: each worker checks its box
-            checks.check_finite_target(y)
+            input_checks.check_finite_target(y)
         if plan.several:  # a loss over the structure, on the outputs joined whole (as a non-dense loss is)
             if y_sources:
                 raise ValueError("targets given as sources are read shard by shard, which needs one dense output; "
@@ -88,7 +88,7 @@ class Planner:
             Planner.check_loss(plan, x, y, loss_fn)
             return False
         y_seen = target_stand_in(y, loss_fn) if y_sources else y  # what the loss will receive
-        checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
+        input_checks.check_target(x, y_seen, loss_fn, plan.out_full_shape)
         dense = plan.out_shape is not None and losses.is_dense(loss_fn, len(plan.grid)) and isinstance(
             y_seen, torch.Tensor) and losses.target_shape_ok(loss_fn, plan.out_full_shape, y_seen)
         if y_sources and not dense:
@@ -105,9 +105,9 @@ class Planner:
         if plan.several:
             dtype = x.dtype if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else torch.float32
             outs = plan.rebuild([torch.empty(full, dtype=dtype, device="meta") for _, full in plan.outputs])
-            checks.check_structured_target(x, y, loss_fn, outs)
+            input_checks.check_structured_target(x, y, loss_fn, outs)
         else:
-            checks.check_target(x, y, loss_fn, plan.out_full_shape)
+            input_checks.check_target(x, y, loss_fn, plan.out_full_shape)
 
     @staticmethod
     def prediction(plan: Plan, x, max_chunk: int) -> tuple[tuple[int, ...], str]:

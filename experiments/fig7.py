@@ -11,7 +11,7 @@ shared-encoder replica and every private encoder (with a decoder replica) on a w
 workers. The targets: the distributed per-worker peak stays within 10% from K = 1 to 7, and the largest
 image is at least 2x the single-process 1S1T one in area. Both tables are printed at the end.
 
-Every configuration is one run in fresh processes (``bigconv.harness.runner``), appended as it ends, so an
+Every configuration is one run in fresh processes (``experiments.runs``), appended as it ends, so an
 interrupted study resumes where it stopped.
 """
 

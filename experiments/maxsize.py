@@ -8,7 +8,7 @@
 - CPU: a size fits when its run ends ``ok`` with every worker's measured peak (RSS above the warm
   idle baseline) within the budget.
 
-Each probe is one configuration in fresh processes (``bigconv.harness.runner``), recorded with
+Each probe is one configuration in fresh processes (``experiments.runs``), recorded with
 ``purpose: maxsize``; a rerun reuses the probes already in the file. The search predicts the next
 edge from the measured peaks (peak ~ a + b * elements), then brackets and bisects until the edges
 that fit and fail are within ``--tolerance`` of each other. One ``maxsize`` record per worker count
@@ -23,9 +23,11 @@ from dataclasses import asdict, replace
 
 from bigconv import progress
 from bigconv.harness import records, registry
-from bigconv.harness.runner import RunConfig, run_fresh
+from bigconv.harness.runner import RunConfig
+from experiments.runs import run_fresh
 from experiments import presets
 from experiments.sweep import int_list, label, parse_amount, summary
+from plots.tables import maxsize_table
 from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
@@ -114,23 +116,6 @@ def search(base: RunConfig, budget: int, start: int, *, out: str, tolerance: flo
     return result
 
 
-def report(results: list[dict]) -> list[str]:
-    """A markdown table against the target: elements(N) >= 0.85 * N * elements(1 worker)."""
-    one = next((r for r in results if r["workers"] == 1 and r["max_elements"]), None)
-    rows = ["| workers | largest edge | elements | x 1 worker | target 0.85 N | meets |", "|---|---|---|---|---|---|"]
-    for r in sorted(results, key=lambda r: r["workers"]):
-        if not r["max_elements"]:
-            rows.append(f"| {r['workers'] or 'single process'} | none fits | | | | |")
-            continue
-        ratio = r["max_elements"] / one["max_elements"] if one else None
-        target = 0.85 * r["workers"] if r["workers"] else None
-        meets = "" if ratio is None or target is None else ("yes" if ratio >= target else "no")
-        rows.append(f"| {r['workers'] or 'single process'} | {r['max_size']} | {r['max_elements']} | "
-                    f"{'' if ratio is None else f'{ratio:.2f}'} | {'' if target is None else f'{target:.2f}'} | "
-                    f"{meets} |")
-    return rows
-
-
 def main(argv=None) -> None:
     parser = cli.parser("experiments.maxsize", __doc__)
     parser.add_argument("--preset", choices=sorted(presets.PRESETS),
@@ -187,7 +172,7 @@ def main(argv=None) -> None:
             results.append(r)
             if r["max_size"] and n:
                 prev = r
-    print("\n".join(report(results)))
+    print("\n".join(maxsize_table(results)))
 
 
 if __name__ == "__main__":

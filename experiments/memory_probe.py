@@ -62,6 +62,7 @@ def main(argv=None) -> None:
     import bigconv
     probe = importlib.import_module("experiments.memory_probe")  # workers cannot unpickle __main__'s functions
     from bigconv.harness.workload import Workload
+    from bigconv.runtime.world import WORKER_ENV
 
     parser = cli.parser("experiments.memory_probe", __doc__)
     parser.add_argument("--model", default="cnn3d", help="a benchmark model")
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.mkl_cache:
         os.environ["MKL_DISABLE_FAST_MM"] = ""  # set here, so WORKER_ENV's value does not apply
-    for key, value in bigconv.runtime.world.WORKER_ENV.items():  # the plain run's settings, as in the sweeps
+    for key, value in WORKER_ENV.items():  # the plain run's settings, as in the sweeps
         os.environ.setdefault(key, value)
     w = Workload(model=args.model, size=args.size, steps=1)
     MiB = 2**20

@@ -21,6 +21,7 @@ import time
 import torch
 
 import bigconv
+from bigconv.models import CNN2D
 from bigconv.runtime.world import WORKER_ENV
 from experiments.bench_core import append
 from bigconv.harness.workload import Workload, environment
@@ -44,7 +45,7 @@ def idle_cpu(transports: str) -> list[float]:
     os.environ["BIGCONV_RPC_TRANSPORTS"] = transports
     try:
         with bigconv.World(workers=2) as world:
-            net = bigconv.parallelize(bigconv.models.CNN2D(), world)
+            net = bigconv.parallelize(CNN2D(), world)
             net(torch.randn(1, 1, 32, 32))  # every pipe opened
             before = [sum(cpu_seconds(p)) for p in _pids(world)]
             time.sleep(5)

@@ -26,7 +26,8 @@ from dataclasses import asdict
 
 from bigconv import progress
 from bigconv.harness import records, registry
-from bigconv.harness.runner import RunConfig, run_fresh
+from bigconv.harness.runner import RunConfig
+from experiments.runs import run_fresh
 from experiments import presets
 from bigconv.harness import cli
 

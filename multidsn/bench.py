@@ -8,6 +8,7 @@ otherwise), so the harness keeps one method for every model.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -69,3 +70,43 @@ def run_steps(image_size: int, num_targets: int, *, steps: int = 3, width: int =
         model.close()
     return {"step_s": times, "loss": loss, "workers": used, "params": sum(p.numel() for p in dsn.parameters()),
             "config": dict(cfg.__dict__)}
+
+
+def run_config(cfg, world=None) -> dict:
+    """The harness's DSN configuration (a ``bigconv.harness.runner.RunConfig`` of model ``dsn``): 1 source and
+    ``cfg.targets`` targets, single process or distributed with ``cfg.placement``; the part of the record
+    the runner fills in."""
+    import bigconv
+
+    from bigconv.harness import recorder
+    from bigconv.harness.recorder import Recorder
+
+    dtype = getattr(torch, cfg.dtype)
+    kwargs = dict(steps=cfg.steps + 1, width=cfg.width, batch_size=cfg.batch, depth=cfg.depth, dtype=dtype)
+    warm = dict(kwargs, steps=1)
+    placement = cfg.placement or "domain"
+    if cfg.workers == 0:
+        run_steps(8 * 2**cfg.depth, cfg.targets, **warm)
+        rec = Recorder(cfg.device, enabled=cfg.record)
+        rec.start()
+        r = run_steps(cfg.size, cfg.targets, **kwargs)
+        per = [rec.stop() if cfg.record else {}]
+        grid = None
+    else:
+        own = world is None
+        world = world or bigconv.World(workers=cfg.workers, device=cfg.device,
+                                       threads_per_worker=max(1, (os.cpu_count() or 1) // cfg.workers),
+                                       timeout=max(60.0, cfg.timeout_s / 3))
+        try:
+            run_steps(8 * 2**cfg.depth, cfg.targets, placement=placement, world=world, **warm)
+            recording = recorder.start_recording(world, cfg.record)
+            r = run_steps(cfg.size, cfg.targets, placement=placement, world=world, **kwargs)
+            per = recorder.stop_recording(world, recording)
+        finally:
+            if own:
+                world.close()
+        grid = None
+        for i, p in enumerate(per):
+            p["used"] = i in r["workers"]
+    return {"grid": grid, "step_s": min(r["step_s"][1:]), "step_times_s": r["step_s"][1:], "loss": r["loss"],
+            "budget": None, "per_worker": per}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 
 from bigconv.harness import records
-from experiments.maxsize import report
 from plots.study import latest_maxsize, memory_ratios, scaling_size
 from bigconv.harness import cli
 
@@ -34,6 +33,23 @@ def memory_table(runs: list[dict]) -> list[str]:
     return rows
 
 
+def maxsize_table(results: list[dict]) -> list[str]:
+    """A markdown table against the target: elements(N) >= 0.85 * N * elements(1 worker)."""
+    one = next((r for r in results if r["workers"] == 1 and r["max_elements"]), None)
+    rows = ["| workers | largest edge | elements | x 1 worker | target 0.85 N | meets |", "|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: r["workers"]):
+        if not r["max_elements"]:
+            rows.append(f"| {r['workers'] or 'single process'} | none fits | | | | |")
+            continue
+        ratio = r["max_elements"] / one["max_elements"] if one else None
+        target = 0.85 * r["workers"] if r["workers"] else None
+        meets = "" if ratio is None or target is None else ("yes" if ratio >= target else "no")
+        rows.append(f"| {r['workers'] or 'single process'} | {r['max_size']} | {r['max_elements']} | "
+                    f"{'' if ratio is None else f'{ratio:.2f}'} | {'' if target is None else f'{target:.2f}'} | "
+                    f"{meets} |")
+    return rows
+
+
 def main(argv=None) -> None:
     parser = cli.parser("plots.tables", __doc__)
     parser.add_argument("results", nargs="+", help="JSON-lines results files")
@@ -47,7 +63,7 @@ def main(argv=None) -> None:
             print("\n".join(memory_table(runs)))
         if found:
             print(f"budget {found[0]['budget_bytes'] / MiB:.0f} MiB per worker, judged by {found[0]['judged_by']}:\n")
-            print("\n".join(report(found)))
+            print("\n".join(maxsize_table(found)))
 
 
 if __name__ == "__main__":

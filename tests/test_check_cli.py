@@ -2,7 +2,7 @@
 
 A decomposable zoo model gets its layers (shards, halos, split or replicated), a memory estimate
 and an exactness verdict; a refused zoo model gets the module, the op and the fix, and exit status 1.
-A failure here points to ``bigconv/check.py`` or ``bigconv/harness/inspection.py``.
+A failure here points to ``bigconv/check.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bigconv.check import report
-from bigconv.harness.inspection import Window, halo_width, layer_report
+from bigconv.check import halo_width, layer_report, report
+from bigconv.geometry.boxes import Window
 from bigconv.harness.model_spec import build_model, parse_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -51,7 +51,7 @@ def captured_parser(module_name: str, monkeypatch) -> argparse.ArgumentParser:
     raise AssertionError(f"{module_name}.main() never parsed its arguments")
 
 
-INTERNAL = {"bigconv.harness.runner", "bigconv.runtime.worker", "experiments.cluster.env"}
+INTERNAL = {"bigconv.harness.runner", "bigconv.runtime.worker", "experiments.cluster.env", "experiments.runs"}
 """Modules run with ``python -m`` by bigconv itself (a fresh measuring process, a worker, a launch shim)."""
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bigconv.diagnostics import halo_adjoint
+from bigconv.halo_adjoint import halo_adjoint
 from bigconv.engine.executor import pad_spec
 from bigconv.geometry.boxes import Window, all_coords, halo_plan
 

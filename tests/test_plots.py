@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from bigconv.harness import records
-from experiments.maxsize import report, search
+from experiments.maxsize import search
+from plots.tables import maxsize_table
 from bigconv.harness.runner import RunConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,7 +168,7 @@ def test_size_search_brackets_the_budget_and_resumes(tmp_path):
     calls.clear()
     again = search(RunConfig(model="cnn2d", workers=1), budget, 64, out=out, runner=runner, echo=lambda s: None)
     assert calls == [] and again["max_size"] == results[0]["max_size"]  # probes reused from the file
-    table = report(results)
+    table = maxsize_table(results)
     assert table[-1].endswith("| yes |")  # 4 workers: 4x the area of one
 
 

@@ -10,7 +10,7 @@
   targets.
 
 A failure points to ``bigconv/data/readers.py`` (structure), ``bigconv/data/sources.py`` (reads and
-conversions) or ``bigconv/checks.py`` (targets).
+conversions) or ``bigconv/input_checks.py`` (targets).
 """
 
 from __future__ import annotations

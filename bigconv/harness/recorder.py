@@ -21,8 +21,8 @@ Where a source is missing (no GPU, no nvidia-ml-py, no NVML driver, a driver tha
 memory) the record lists it under ``missing`` with the reason; nothing fails. A recorder made with
 ``enabled=False`` starts no thread and records nothing.
 
-Worker side: ``worker_start``/``worker_stop``/``worker_limit_memory`` are module-level so the driver
-can run them on every worker with ``World.call``.
+Worker side: ``WorkerRecording`` is a part of each worker's host (``start_recording``/``stop_recording``
+from the driver); ``worker_limit_memory`` runs there through ``World.on_hosts``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
     python -m bigconv.harness.runner '{"model": "cnn2d", "size": 512, "workers": 2}'   # prints RECORD {...}
 
+The DSN (model ``dsn``) is multidsn's, a layer above: its run comes in through ``tasks`` (``run_here``,
+``main``) and its fresh process through ``entry`` (``run_fresh``); ``experiments.runs`` passes both, and
+runs every model.
+
 ``run_fresh`` starts this module in a new process (peak RSS never resets across configurations;
 a World's workers are new processes too) and turns whatever happens into one record: ``ok``, ``oom``
 (an allocator's out-of-memory error anywhere, a process killed by SIGKILL, presumably by the
@@ -19,6 +23,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -143,46 +148,6 @@ def run_plain(cfg: RunConfig) -> dict:
             "budget": budget, "per_worker": [per]}
 
 
-def run_dsn(cfg: RunConfig, world=None) -> dict:
-    """A DSN (``multidsn.bench``) with 1 source and ``cfg.targets`` targets, single process or distributed with
-    ``cfg.placement``."""
-    import bigconv
-    from multidsn import bench
-
-    from bigconv.harness import recorder
-    from bigconv.harness.recorder import Recorder
-
-    dtype = getattr(torch, cfg.dtype)
-    kwargs = dict(steps=cfg.steps + 1, width=cfg.width, batch_size=cfg.batch, depth=cfg.depth, dtype=dtype)
-    warm = dict(kwargs, steps=1)
-    placement = cfg.placement or "domain"
-    if cfg.workers == 0:
-        bench.run_steps(8 * 2**cfg.depth, cfg.targets, **warm)
-        rec = Recorder(cfg.device, enabled=cfg.record)
-        rec.start()
-        r = bench.run_steps(cfg.size, cfg.targets, **kwargs)
-        per = [rec.stop() if cfg.record else {}]
-        grid = None
-    else:
-        own = world is None
-        world = world or bigconv.World(workers=cfg.workers, device=cfg.device,
-                                       threads_per_worker=max(1, (os.cpu_count() or 1) // cfg.workers),
-                                       timeout=max(60.0, cfg.timeout_s / 3))
-        try:
-            bench.run_steps(8 * 2**cfg.depth, cfg.targets, placement=placement, world=world, **warm)
-            recording = recorder.start_recording(world, cfg.record)
-            r = bench.run_steps(cfg.size, cfg.targets, placement=placement, world=world, **kwargs)
-            per = recorder.stop_recording(world, recording)
-        finally:
-            if own:
-                world.close()
-        grid = None
-        for i, p in enumerate(per):
-            p["used"] = i in r["workers"]
-    return {"grid": grid, "step_s": min(r["step_s"][1:]), "step_times_s": r["step_s"][1:], "loss": r["loss"],
-            "budget": None, "per_worker": per}
-
-
 def run_world(cfg: RunConfig, world=None) -> dict:
     """On ``world`` (one launched by a cluster launcher), or on a fresh local World of ``cfg.workers``."""
     import bigconv
@@ -223,13 +188,22 @@ def describe(cfg: RunConfig) -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def run_here(cfg: RunConfig, world=None) -> dict:
-    """Run ``cfg`` in this process (and its workers, or on ``world``); the full record, whatever happens."""
+TaskRun = Callable[[RunConfig, Any], dict]
+"""A run of one configuration whose model task this module does not run itself (``cfg``, a World or None)
+-> the part of the record that ``run_plain`` returns."""
+
+
+def run_here(cfg: RunConfig, world=None, tasks: Mapping[str, TaskRun] | None = None) -> dict:
+    """Run ``cfg`` in this process (and its workers, or on ``world``); the full record, whatever happens.
+    ``tasks``: the runs of the registry's tasks that live above the harness (``"dsn"``), by task."""
     record = describe(cfg)
     t0 = time.perf_counter()
+    task = registry.spec(cfg.model).task
     try:
-        if cfg.model == "dsn":
-            r = run_dsn(cfg, world)
+        if task in (tasks or {}):
+            r = tasks[task](cfg, world)
+        elif task == "dsn":
+            raise ValueError("the DSN's run is multidsn's: run a dsn configuration through experiments.runs")
         else:
             r = run_plain(cfg) if cfg.workers == 0 else run_spmd(cfg) if cfg.mode == "spmd" else run_world(cfg, world)
     except Exception as exc:
@@ -246,10 +220,10 @@ def run_here(cfg: RunConfig, world=None) -> dict:
     return record
 
 
-def run_fresh(cfg: RunConfig, extra_env: dict | None = None) -> dict:
-    """Run ``cfg`` in a new process; a record even if that process dies or runs out of time."""
-    return fresh_process(["bigconv.harness.runner", json.dumps(asdict(cfg))], cfg.timeout_s, describe(cfg),
-                         extra_env)
+def run_fresh(cfg: RunConfig, extra_env: dict | None = None, entry: str = "bigconv.harness.runner") -> dict:
+    """Run ``cfg`` in a new process (``python -m entry CONFIG``: this module's ``main``, or one that calls it
+    with its ``tasks``); a record even if that process dies or runs out of time."""
+    return fresh_process([entry, json.dumps(asdict(cfg))], cfg.timeout_s, describe(cfg), extra_env)
 
 
 def fresh_process(module_args: list[str], timeout_s: float, base: dict, extra_env: dict | None = None) -> dict:
@@ -279,11 +253,11 @@ def fresh_process(module_args: list[str], timeout_s: float, base: dict, extra_en
             "run_s": time.perf_counter() - t0}
 
 
-def main() -> None:
+def main(tasks: Mapping[str, TaskRun] | None = None) -> None:
     cfg = RunConfig.from_dict(json.loads(sys.argv[1]))
     if cfg.device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(MARK + json.dumps(run_here(cfg)), flush=True)
+    print(MARK + json.dumps(run_here(cfg, tasks=tasks)), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import bigconv
+from bigconv.geometry.boxes import check_positive_int
 from bigconv.memory import PeakMeter
 from bigconv.provenance import ROOT, source_commit
 from bigconv.runtime.world import WORKER_ENV
@@ -52,7 +53,7 @@ class Workload:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         for name in ("size", "batch", "channels", "width", "depth", "steps"):
-            bigconv.geometry.boxes.check_positive_int(getattr(self, name), name)
+            check_positive_int(getattr(self, name), name)
 
     @property
     def spec(self) -> registry.ModelSpec:

@@ -5,13 +5,13 @@ backward is plain local autograd, and parameter gradients are summed over every 
 partial sums and data-parallel replicas alike) in buckets launched as backward produces them. The
 op rules, the executor and the dry run are the driver mode's own.
 
-Layout: ``model`` (the training API, a front end on ``bigconv.engine``); ``world`` (process groups
-and the rank mesh) and ``launch`` (local ranks for tests and benchmarks) give the runtime layer's
-``spmd_world`` and ``spmd_launch`` their public names.
+Layout: ``model`` (the training API, a front end on ``bigconv.engine``) and ``agreement`` (one plan on
+every rank). The ranks' process groups and mesh (``SpmdWorld``) live in the runtime layer,
+``bigconv.runtime.spmd_world``, and the local launcher of ranks for tests and benchmarks in
+``bigconv.runtime.spmd_launch``.
 """
 
-from . import launch
+from ..runtime.spmd_world import SpmdWorld
 from .model import SpmdModel
-from .world import SpmdWorld
 
-__all__ = ["SpmdModel", "SpmdWorld", "launch"]
+__all__ = ["SpmdModel", "SpmdWorld"]

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import checks, saving
+from .. import input_checks as checks
+from .. import saving
 from .agreement import agree
 from ..data.prefetch import Prefetcher
 from ..data.sources import ShardRead, is_source_batch

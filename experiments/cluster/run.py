@@ -18,7 +18,8 @@ import sys
 from dataclasses import asdict
 
 from bigconv.harness import records, registry
-from bigconv.harness.runner import RunConfig, run_here
+from bigconv.harness.runner import RunConfig
+from experiments.runs import run_here
 from experiments.sweep import parse_amount, summary
 from bigconv.harness import cli
 

@@ -1,4 +1,4 @@
-"""Checks of the transport on its own, run on a live World.
+"""The halo exchange's adjoint (dot-product) test, run on a live World: a check of the transport on its own.
 
 ``halo_adjoint`` is the dot-product test of the halo exchange F, which maps a sharded image to each
 shard's zero-padded input window: <F x, y> must equal <x, F^T y>, where F^T is what distributed
