@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import input_checks as checks
+from . import input_checks
 from . import losses, saving
 from .data.sources import ShardRead, is_source_batch
 from .engine.executor import join_shards
@@ -87,7 +87,7 @@ class ParallelModel:
     # -- training API -----------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
         """Create a replicated optimizer ``cls(params, **kwargs)`` on every worker."""
-        checks.check_optimizer_class(cls)
+        input_checks.check_optimizer_class(cls)
         self._all("make_optimizer", (cls, kwargs), "creating the optimizer")
         self.has_optimizer = True
         self.optimizer_class = saving.class_name(cls)

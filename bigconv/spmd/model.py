@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import input_checks as checks
+from .. import input_checks
 from .. import saving
 from .agreement import agree
 from ..data.prefetch import Prefetcher
@@ -116,7 +116,7 @@ class SpmdModel:
 
     # -- training API -----------------------------------------------------------------------------------
     def optimizer(self, cls: type, **kwargs) -> None:
-        checks.check_optimizer_class(cls)
+        input_checks.check_optimizer_class(cls)
         self.engine.make_optimizer(cls, kwargs)
         self.optimizer_class = saving.class_name(cls)
 
