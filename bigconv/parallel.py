@@ -22,7 +22,7 @@ from .engine.step import OutputGradients, PerShardLoss, ShardCall, StepCommand, 
 from .geometry.boxes import shard_box, all_coords, validate_grid
 from .engine.plan import Plan
 from .planning import Planner
-from .runtime.replica import TRANSPORTS, Replica, to_payload
+from .runtime.model_part import TRANSPORTS, ModelPart, to_payload
 from .ops.random import random_seed
 from .ops.support import unwrap_compiled
 from .transport import WorkerFailure
@@ -76,7 +76,7 @@ class ParallelModel:
         self.seed = random_seed(seed)
         payload = to_payload(model)
         install = (payload, transport, self.seed, self.compile)
-        self.id = world.install(Replica.install, [install] * world.workers, "installing the model")
+        self.id = world.install(ModelPart.install, [install] * world.workers, "installing the model")
         weakref.finalize(self, world.retire, self.id)
 
     def plan(self, x) -> Plan:

@@ -40,15 +40,15 @@ def allocated_bytes() -> int:
 
 def track_forward_threads() -> None:
     """Worker side: note the thread of every forward call from now on."""
-    from bigconv.runtime.replica import Replica
+    from bigconv.runtime.model_part import ModelPart
 
-    original = Replica.forward
+    original = ModelPart.forward
 
     def forward(*args, **kwargs):
         _THREADS.add(threading.get_native_id())
         return original(*args, **kwargs)
 
-    Replica.forward = forward
+    ModelPart.forward = forward
 
 
 def snapshot() -> dict:

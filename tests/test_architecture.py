@@ -70,7 +70,7 @@ SUBLAYERS = {
     ],
     "bigconv.runtime": [
         ["bigconv.runtime.agent", "bigconv.runtime.host", "bigconv.runtime.launch_env", "bigconv.runtime.netbind",
-         "bigconv.runtime.replica"],
+         "bigconv.runtime.model_part"],
         ["bigconv.runtime.spmd_world", "bigconv.runtime.worker"],
         ["bigconv.runtime.world"],
         ["bigconv.runtime.spmd_launch"],
@@ -321,13 +321,13 @@ def test_importing_geometry_loads_nothing_of_the_distributed_stack():
     assert not extra, f"import bigconv.geometry.boxes also loads {len(extra)} modules: {extra}"
 
 
-WORKER_INTERNALS = ("bigconv.runtime.worker", "bigconv.runtime.host", "bigconv.runtime.replica", "bigconv.transport",
-                    "torch.distributed.rpc")
+WORKER_INTERNALS = ("bigconv.runtime.worker", "bigconv.runtime.host", "bigconv.runtime.model_part",
+                    "bigconv.transport", "torch.distributed.rpc")
 """What an experiment reaching into the workers imports: the worker process, its host and the model part
 on it, the transport, RPC itself. Experiments use ``World`` (``on_hosts``, ``memory``, ``traffic``, ...),
 ``ParallelModel`` and the harness instead."""
 NEEDS_A_PUBLIC_API = {
-    "experiments.memory_probe": "patches the workers' Replica.forward to note which threads run forwards",
+    "experiments.memory_probe": "patches the workers' ModelPart.forward to note which threads run forwards",
 }
 """The experiments that still reach into the workers, because no public API does what they do yet."""
 

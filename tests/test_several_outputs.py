@@ -6,7 +6,7 @@ in float64 on a 2x2 grid, both transports: every output, the input gradient, eve
 gradient, both losses and every weight after two SGD steps, each against its own size (raw, no
 noise floor). A failure points at the dry run's output structure (``DryRunResult.outputs``), the
 driver's join and per-output gradients (``ParallelModel._loss_on_driver``, ``_assemble``) or the
-workers' backward through several outputs (``Replica.backward``). SPMD: ``test_issue37_spmd.py``.
+workers' backward through several outputs (``ModelPart.step`` with the driver's output gradients). SPMD: ``test_issue37_spmd.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""A driver's worker's copy of the model: its shard's engine, run on the transport the driver chose.
+"""A driver's worker's part of one parallel model: the whole (small) model and its shard's engine, on the
+transport the driver chose (installed on the worker's host, ``bigconv.runtime.host``).
 
 Every worker holds the whole (small) model and a shard of the (large) image. On the ``p2p`` transport
-a step is the SPMD shard-step (``bigconv.engine.shard``): halos point-to-point in the workers' process
+a step is the SPMD shard-step (``bigconv.engine.step``), fed by the driver's commands: halos point-to-point in the workers' process
 group, local autograd, gradients summed in buckets while backward runs. On ``rpc`` the halos go over
 RPC and the gradients are read from the driver's distributed-autograd context. Either way they are
 **summed** over the workers (the loss of the image is the sum of shard contributions, so a replicated
@@ -98,8 +99,9 @@ workers' process group, local autograd, gradients summed in buckets during backw
 do) or ``rpc`` (halos pushed over RPC, backward by distributed autograd from the driver)."""
 
 
-class Replica:
-    """This worker's copy of one model and its shard's engine, on the transport the driver chose."""
+class ModelPart:
+    """This worker's copy of one model and its shard's engine, on the transport the driver chose. ("Replica"
+    is kept for the data-parallel copies of the SPMD mode.)"""
 
     def __init__(self, proc: WorkerRuntime, model: torch.nn.Module, transport_name: str, seed: int = 0,
                  compile: bool = False) -> None:
@@ -117,7 +119,7 @@ class Replica:
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
 
     @classmethod
-    def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "Replica":
+    def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "ModelPart":
         """The part a ``WorkerHost`` holds for one model (``World.install``)."""
         return cls(host.rt, pickle.loads(payload), transport_name, seed, compile)
 
