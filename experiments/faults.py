@@ -73,7 +73,7 @@ def drive(scenario: str, log_path: str, timeout: float, steps: int) -> None:
     # handler: restore it, as for a user at a terminal.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with bigconv.World(workers=2, timeout=timeout) as world:
-        print("READY " + json.dumps({"driver": os.getpid(), "workers": [p.pid for p in world._procs]}), flush=True)
+        print("READY " + json.dumps({"driver": os.getpid(), "workers": world.worker_pids}), flush=True)
         net = bigconv.parallelize(CNN2D(1, 2), world, grid=(2, 1))
         net.optimizer(torch.optim.SGD, lr=0.01)
         x, y = torch.randn(1, 1, 512, 512), torch.tensor([1])

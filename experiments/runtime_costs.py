@@ -38,7 +38,7 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
 
 
 def _pids(world: bigconv.World) -> list[int]:
-    return [p.pid for p in world._procs] + [os.getpid()]
+    return world.worker_pids + [os.getpid()]
 
 
 def idle_cpu(transports: str) -> list[float]:

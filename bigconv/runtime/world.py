@@ -311,6 +311,11 @@ class World:
     def names(self) -> list[str]:
         return [worker_name(i) for i in range(self.workers)]
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of the workers this World started (empty for a world a launcher started)."""
+        return [p.pid for p in self._procs]
+
     def dead_workers(self) -> list[str]:
         return [f"{worker_name(i)} (pid {p.pid}, exit code {p.returncode})"
                 for i, p in enumerate(self._procs) if p.poll() is not None]
