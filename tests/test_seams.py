@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_architecture import cycles
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = "bigconv.ops"
@@ -79,32 +80,8 @@ def import_graph(package: str) -> dict[str, set[str]]:
 
 
 def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = [stack.pop()]
-            while component[-1] != v:
-                component.append(stack.pop())
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+    """The strongly connected components of more than one module (the layer test's Tarjan)."""
+    return cycles(edges)
 
 
 def private_crossings(packages: tuple[str, ...] = ("bigconv.ops", "bigconv.engine")) -> list[str]:
