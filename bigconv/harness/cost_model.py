@@ -102,15 +102,19 @@ class Cluster:
 
 
 def proxy(shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(spatial shape, grid) of the proxy: axes cut in more than 3 shards become 3 shards of the real
-    grid's largest extent ``ceil(n / g)``, so the middle one is an interior shard of the real grid."""
+    """(spatial shape, grid) of the proxy: an axis cut in more than 3 shards becomes 3 shards of the real
+    grid's largest extent ``ceil(n / g)``, so the middle one is an interior shard of the real grid. The
+    extent is rounded up to a multiple of the power of two that divides ``n`` (at most 64), so a model that
+    needs its input divisible by its strides (FCN2D: by 8) takes the proxy as it takes the real image; this
+    overstates a shard by less than 64 positions a side."""
     spatial, sub = [], []
     for n, g in zip(shape, grid):
         if g <= 3:
             spatial.append(n)
             sub.append(g)
         else:
-            spatial.append(3 * -(-n // g))
+            m = min(n & -n, 64)
+            spatial.append(3 * -(-(-(-n // g)) // m) * m)
             sub.append(3)
     return tuple(spatial), tuple(sub)
 
@@ -471,7 +475,8 @@ def _exchange_times(p_: ShardProfile, place: _Placement, fwd: list[float], bwd: 
                 t_out = _message_time(c.inter, parts["inter"][0], max(parts["inter"][1:]),
                                       place.inter_bytes_s(senders, "p2p_efficiency")) if parts["inter"][0] else 0.0
                 worst = max(worst, t_in, t_out)
-        out.append((worst, min(worst, compute_f), min(worst, compute_b)))
+        worst += c.intra.sync_s
+        out.append((worst, min(worst - c.intra.sync_s, compute_f), min(worst - c.intra.sync_s, compute_b)))
     return out
 
 

@@ -92,6 +92,9 @@ class Link:
     """Fraction of ``bytes_s`` point-to-point messages (the halos) reach."""
     collective_efficiency: float = 0.8
     """Fraction of ``bytes_s`` a ring allreduce's bus bandwidth reaches."""
+    sync_s: float = 0.0
+    """Per exchange, a wait no compute hides: the peer getting a core when processes share a CPU host's
+    cores (measured there; 0 for GPUs, one process each)."""
     sources: str = ""
 
 

@@ -1,15 +1,17 @@
 """Per-op rates measured on the device at hand: what the planner uses instead of a datasheet where one exists.
 
-``calibrate(model, shape)`` trains ``model`` plainly, in this process, on ``shape`` (small: a few hundred
-pixels a side is enough), on this machine's GPU (or its CPU), and times every aten op of a step under a
-``TorchDispatchMode`` (synchronizing the GPU around each). Ops are grouped as the planner's shard profiles
+``calibrate(model, shape)`` trains ``model`` plainly, in this process, on ``shape`` and on an input 1.5 times
+its edge (small: a few hundred pixels a side is enough), on this machine's GPU (or its CPU), and times every
+aten op of a step under a ``TorchDispatchMode`` (synchronizing the GPU around each). Ops are grouped as the planner's shard profiles
 group them (``shard_profile.op_key``): each convolution by its channels, kernel, stride, dilation, groups and
 direction, every other op by name; a group's rate is its work over its time, where work is FLOPs for
 convolutions and matmuls and bytes read and written for everything else. Backward ops are grouped by the
 forward op they differentiate where that is unambiguous (``convolution_backward`` by its convolution, the
 matmuls of a linear layer); every other backward op joins one group, priced against twice its forward
-ops' bytes (as the roofline prices it). The step's time outside any op (Python, autograd's engine, the
-dispatcher) is spread over the ops as a per-op overhead.
+ops' bytes (as the roofline prices it). Each group's time at the two sizes gives a line, a fixed time per
+call plus work over a rate (a convolution of 16 channels on this 2-core host cost 40% more per pixel at 256²
+than at 1024²: setup that does not grow with the map); the step's time outside any op (allocation,
+autograd's engine) stretches every group alike.
 
 The table travels as JSON (``save``/``load``), so a calibration on one rented GPU plans a cluster of them.
 """
@@ -22,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.utils.flop_counter as flop_counter
+from torch import nn
+from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -40,7 +42,8 @@ class OpTable:
     device: str
     dtype: str
     rates: dict = field(default_factory=dict)
-    """``repr(key)`` -> {"forward": work/s, "backward": work/s} (either may be missing)."""
+    """``repr(key)`` -> {"forward": work/s, "forward_call_s": seconds per call, "backward": ...,
+    "backward_call_s": ...} (either direction may be missing)."""
     overhead_s: float = 0.0
     """Per op, forward and backward each: the step's time outside the ops, spread over them."""
     workspace: dict = field(default_factory=dict)
@@ -54,20 +57,23 @@ class OpTable:
         """Forward and backward seconds of ``op`` (``nbytes`` its bytes in the compute dtype), or None
         where this table has no rate for its forward."""
         entry = self.rates.get(repr(op.key))
+
+        def t(e: dict, phase: str, work: float) -> float:
+            return e.get(f"{phase}_call_s", 0.0) + work / e[phase] + self.overhead_s
+
         if op.matmul:
             if entry is None or "forward" not in entry:
                 return None
             bwd_entry = entry if "backward" in entry else self.rates.get(repr(("mm", op.key[1])), {})
             if op.bwd_flops and "backward" not in bwd_entry:
                 return None
-            b = op.bwd_flops / bwd_entry["backward"] + self.overhead_s if op.bwd_flops else 0.0
-            return op.flops / entry["forward"] + self.overhead_s, b
+            return t(entry, "forward", op.flops), t(bwd_entry, "backward", op.bwd_flops) if op.bwd_flops else 0.0
         if entry is None:
             entry = self.rates.get(repr(("other", dtype)))
         other_bwd = self.rates.get(repr((OTHER_BWD, dtype)), {})
         if entry is None or "forward" not in entry or "backward" not in other_bwd:
             return None
-        return nbytes / entry["forward"] + self.overhead_s, 2 * nbytes / other_bwd["backward"] + self.overhead_s
+        return t(entry, "forward", nbytes), t(other_bwd, "backward", 2 * nbytes)
 
     def workspace_of(self, op: OpRecord) -> tuple[float, float] | None:
         """Transient bytes of ``op``'s forward and backward (dry-run dtype), or None where not measured."""
@@ -186,15 +192,31 @@ def _step(model: nn.Module, x: torch.Tensor, opt, timer: _Timer | None) -> None:
 
 
 def calibrate(model: nn.Module, shape: tuple[int, ...], device: str | None = None, dtype: str = "float32",
-              steps: int = 3, threads: int | None = None) -> OpTable:
-    """Time ``steps`` plain training steps (SGD with momentum, a mean-square loss) of ``model`` on a random
-    input of ``shape``; the fastest step's ops make the table."""
+              steps: int = 3, threads: int | None = None, scale: float = 1.5) -> OpTable:
+    """Time ``steps`` plain training steps (SGD with momentum, a mean-square loss) of ``model`` on random inputs
+    of ``shape`` and of ``scale`` times its edge; each group's fastest time at each size makes the table."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if threads:
         torch.set_num_threads(threads)
     model = model.to(dev, getattr(torch, dtype)).train()
-    x = torch.randn(shape, device=dev, dtype=getattr(torch, dtype))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    overhead = dispatch_overhead(dev)
+    bigger = (*shape[:2], *(round(n * scale) for n in shape[2:]))
+    measured = [_measure(model, opt, s, dev, dtype, steps, overhead) for s in (shape, bigger)]
+    (small, plain_small), (large, plain_large) = measured
+    probe = _Transients(dev)
+    with probe:
+        _step(model, torch.randn(bigger, device=dev, dtype=getattr(torch, dtype)), opt, probe)
+    rates = _fit(small, large)
+    return OpTable(device=str(dev.type), dtype=dtype, rates=rates, overhead_s=overhead, workspace=probe.found,
+                   calibration={"input": list(shape), "second_input": list(bigger), "steps": steps,
+                                "threads": torch.get_num_threads(), "plain_step_s": [plain_small, plain_large],
+                                "torch": torch.__version__,
+                                "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})
+
+
+def _measure(model, opt, shape, dev, dtype: str, steps: int, overhead: float) -> tuple[dict, float]:
+    x = torch.randn(shape, device=dev, dtype=getattr(torch, dtype))
     _step(model, x, opt, None)  # warm-up: kernels chosen, memory grown
     plain = []
     for _ in range(steps):
@@ -211,15 +233,25 @@ def calibrate(model: nn.Module, shape: tuple[int, ...], device: str | None = Non
         with timer:
             _step(model, x, opt, timer)
         timers.append(timer)
-    probe = _Transients(dev)
-    with probe:
-        _step(model, x, opt, probe)
-    table = table_from(fastest(timers), dev, dtype, min(plain), dispatch_overhead(dev), {
-        "input": list(shape), "steps": steps, "threads": torch.get_num_threads(), "plain_step_s": min(plain),
-        "timed_ops_s": min(t.seconds for t in timers), "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})
-    table.workspace = probe.found
-    return table
+    return groups(fastest(timers), dtype, min(plain), overhead), min(plain)
+
+
+def _fit(small: dict, large: dict) -> dict:
+    """Per group, the line through its (work, time) at the two sizes: a rate and a time per call; where the
+    line is not a rising one (noise, a group of one size), the larger size's plain rate."""
+    rates: dict = {}
+    for (key, phase), (w1, t1, calls) in large.items():
+        entry = rates.setdefault(key, {})
+        w0, t0, _ = small.get((key, phase), (0.0, 0.0, calls))
+        if w1 > w0 > 0 and t1 > t0 > 0 and (w1 - w0) / (t1 - t0) > 0:
+            rate = (w1 - w0) / (t1 - t0)
+            fixed = (t0 - w0 / rate) / calls
+            if fixed >= 0:
+                entry[phase], entry[f"{phase}_call_s"] = rate, fixed
+                continue
+        if w1 > 0 and t1 > 0:
+            entry[phase] = w1 / t1
+    return {k: v for k, v in rates.items() if v}
 
 
 def fastest(timers: list[_Timer]) -> list[tuple]:
@@ -256,12 +288,17 @@ def dispatch_overhead(dev: torch.device, ops: int = 400) -> float:
     return best
 
 
-def table_from(rows: list[tuple], dev: torch.device, dtype: str, plain_step_s: float, overhead_s: float,
-               calibration: dict) -> OpTable:
-    """Rates from timed ``rows``; the time the plain step spent outside them beyond ``overhead_s`` per op
-    stretches every rate alike (allocation, autograd's engine: work that grows with the ops' size)."""
-    work: dict[tuple, list[float]] = {}
-    fwd_other_bytes = bwd_other_s = 0.0
+def groups(rows: list[tuple], dtype: str, plain_step_s: float, overhead_s: float) -> dict:
+    """(repr(key), phase) -> [work, seconds, calls] of timed ``rows``; the time the plain step spent outside
+    them beyond ``overhead_s`` per op stretches every group's time alike (allocation, autograd's engine)."""
+    found: dict[tuple, list[float]] = {}
+
+    def add(key, phase, w, dt):
+        slot = found.setdefault((key, phase), [0.0, 0.0, 0])
+        slot[0] += w
+        slot[1] += dt
+        slot[2] += 1
+
     timed = 0.0
     n_forward = 0
     for phase, key, matmul, w, dt, nbytes in rows:
@@ -270,28 +307,16 @@ def table_from(rows: list[tuple], dev: torch.device, dtype: str, plain_step_s: f
         timed += dt
         if phase == "forward":
             n_forward += 1
-            slot = work.setdefault((repr(key), "forward"), [0.0, 0.0])
-            slot[0] += w
-            slot[1] += dt
-            if not matmul:
-                other = work.setdefault((repr(("other", dtype)), "forward"), [0.0, 0.0])
-                other[0] += w
-                other[1] += dt
-                fwd_other_bytes += nbytes
+            add(repr(key), "forward", w, dt)
+            if not matmul:  # the planner prices each such op's backward as twice its bytes: one call each
+                add(repr(("other", dtype)), "forward", w, dt)
+                slot = found.setdefault((repr((OTHER_BWD, dtype)), "backward"), [0.0, 0.0, 0])
+                slot[0] += 2 * nbytes
+                slot[2] += 1
         elif matmul:
-            slot = work.setdefault((repr(key), "backward"), [0.0, 0.0])
-            slot[0] += w
-            slot[1] += dt
+            add(repr(key), "backward", w, dt)
         else:
-            bwd_other_s += dt
+            found.setdefault((repr((OTHER_BWD, dtype)), "backward"), [0.0, 0.0, 0])[1] += dt
     optimizer_s = sum(row[4] for row in rows if row[0] == "optimizer")
-    # The planner adds the overhead to each forward op's forward and backward time.
     stretch = max(1.0, (plain_step_s - optimizer_s - 2 * n_forward * overhead_s) / max(timed, 1e-12))
-    rates: dict = {}
-    for (key, phase), (w, dt) in work.items():
-        if dt > 0 and w > 0:
-            rates.setdefault(key, {})[phase] = w / (dt * stretch)
-    if bwd_other_s > 0 and fwd_other_bytes > 0:
-        rates[repr((OTHER_BWD, dtype))] = {"backward": 2 * fwd_other_bytes / (bwd_other_s * stretch)}
-    return OpTable(device=str(dev.type), dtype=dtype, rates=rates, overhead_s=overhead_s,
-                   calibration={**calibration, "optimizer_s": optimizer_s, "stretch": stretch})
+    return {k: [w, dt * stretch, max(1, n)] for k, (w, dt, n) in found.items()}

@@ -88,12 +88,13 @@ def smallest_count(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster,
 
 
 def max_size(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, multiple: int = 8, grid=None,
-             limit: int = 1 << 22) -> tuple[tuple[int, ...] | None, Estimate | None]:
+             limit: int | None = None) -> tuple[tuple[int, ...] | None, Estimate | None]:
     """The largest input of ``shape``'s proportions (spatial dims scaled together, each a multiple of
     ``multiple``) whose largest shard fits on ``cluster.gpus`` GPUs; the balanced grid at each size unless
     ``grid`` is given."""
     spatial = tuple(shape[2:])
     first = spatial[0]
+    limit = limit or {1: 1 << 34, 2: 1 << 22, 3: 1 << 16}.get(len(spatial), 1 << 12)
     probes: dict[int, Estimate] = {}
 
     def sized(edge: int) -> tuple[int, ...]:
