@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -232,8 +233,13 @@ def calibrating(args) -> int:
 
     table = calibrate(build_model(args.model), tuple(args.input))
     table.save(args.calibrate_ops)
-    print(f"per-op rates of {args.model} at {'x'.join(map(str, args.input))} on {table.calibration['device_name']} "
-          f"written to {args.calibrate_ops} (plain step {table.calibration['plain_step_s']:.3f} s)")
+    steps = ", ".join(f"{t:.3f}" for t in table.calibration["plain_step_s"])
+    sizes = " and ".join("x".join(map(str, s)) for s in (table.calibration["input"], table.calibration["second_input"]))
+    print(f"per-op rates of {args.model} at {sizes} on {table.calibration['device_name']} written to "
+          f"{args.calibrate_ops} (plain steps {steps} s)")
+    if table.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        print("note: on a CPU, run it under the workers' allocator settings (eval \"$(python -m "
+              "experiments.cluster.env)\") for its transient-memory figures to read what bigconv's ranks hold")
     return 0
 
 

@@ -504,8 +504,10 @@ def ornl(args) -> None:
         c = Cluster(device=dev, gpus=1, intra=devices.link(dev.intra))
         from bigconv.harness.cost_model import estimate
 
+        at = -(-o["single"] // multiple) * multiple  # FCN2D takes multiples of 8: 1,504 for the report's 1,500
+        row["published_single_priced_at"] = at
         row["predicted_bytes_at_published_single"] = estimate(
-            profiler, (1, 1, *[o["single"]] * o["dims"]), c, (1,) * o["dims"]).memory["total"]
+            profiler, (1, 1, *[at] * o["dims"]), c, (1,) * o["dims"]).memory["total"]
         row["env"] = _env()
         append(out, row)
         print(json.dumps({k: v for k, v in row.items() if k != "env"}), flush=True)
@@ -548,16 +550,28 @@ def report(args) -> None:
               f"{100 * r['error_table']:+.0f}% | {r['predicted_roofline_s']:.3f}, {100 * r['error_roofline']:+.0f}% | "
               f"{r['load'][0][0]}, {r['load'][1][0]} |")
     print()
+    print("| model | edge | ranks | best step of each round (s) | spread (max / min) |")
+    print("|---|---|---|---|---|")
+    rounds: dict = {}
+    for r in load("results/planner_time.jsonl"):
+        if r.get("kind") == "time":
+            rounds.setdefault((r["model"], r["size"], r["ranks"]), []).append(r["step_s"])
+    for (model, size, ranks), steps in rounds.items():
+        print(f"| {model} | {size} | {ranks} | {', '.join(f'{t:.3f}' for t in steps)} | "
+              f"{max(steps) / min(steps):.2f} |")
+    print()
     for r in last("results/planner_anchors.jsonl", "efficiency"):
         print(f"| {r['gpu']} | {r['key']} | {r['batch']} | {r['img_s']} | {r['fitted_efficiency']} | "
               f"{r['step_s_at_full_rate'] * 1e3:.1f} |")
-    for r in last("results/planner_anchors.jsonl", "largest_h100_16gib"):
-        print(f"| {r['model']} | {r['fits']}² fits, {r['fails']}² does not | {r['predicted_edge']}² "
-              f"({r['predicted_peak_bytes'] / 2**30:.2f} GiB) |")
+    for r in load("results/planner_anchors.jsonl"):
+        if r.get("kind") == "largest_h100_16gib":
+            print(f"| {r['model']} | {r['headroom']} | {r['fits']}² fits, {r['fails']}² does not | {r['predicted_edge']}² "
+                  f"({r['predicted_peak_bytes'] / 2**30:.2f} GiB) |")
     print()
     for r in last("results/planner_ornl.jsonl", "ornl"):
-        print(f"| {r['model']} | {r['single']} | {r['predicted_single']} | {r['gpus']} GPUs: {r['multi']} | "
-              f"{r['predicted_multi']} ({'x'.join(map(str, r['predicted_multi_grid']))}) | "
+        d = "" if r["dims"] == 1 else "²" if r["dims"] == 2 else "³"
+        print(f"| {r['model']} | {r['single']:,}{d} | {r['predicted_single']:,}{d} | {r['gpus']} GPUs: {r['multi']:,}{d} | "
+              f"{r['predicted_multi']:,}{d} ({'x'.join(map(str, r['predicted_multi_grid']))}) | "
               f"{r['predicted_bytes_at_published_single'] / 2**30:.2f} GiB |")
 
 

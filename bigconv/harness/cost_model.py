@@ -213,10 +213,10 @@ def estimate(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, grid:
     scale = cluster.act_scale
     peaks = [_peak(p_, profiler, cluster, buckets, bucket_of) for p_ in profiles]
     worst_i = max(range(len(profiles)), key=lambda i: peaks[i][0])
-    worst, (peak, where, grads, flats) = profiles[worst_i], peaks[worst_i]
+    worst, (peak, where, at, grads, flats) = profiles[worst_i], peaks[worst_i]
     out_bytes = worst.output_bytes if worst.output_dense else 0
     input_bytes = per_replica * shape[1] * math.prod(shard) * ITEM[cluster.dtype]
-    halo_bytes = int(worst.halo_bytes * scale) if where != "after backward" else 0
+    halo_bytes = int(sum(e.bytes for e in worst.exchanges if e.start <= at) * scale)
     memory = {
         "parameters": param_bytes,
         "optimizer": OPTIMIZER_STATES[cluster.optimizer] * n_params * param_item,
@@ -259,9 +259,9 @@ def estimate(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, grid:
 
 
 def _peak(p_: ShardProfile, profiler: Profiler, cluster: Cluster, buckets: list[int], bucket_of: dict
-          ) -> tuple[float, str, float, float]:
+          ) -> tuple[float, str, int, float, float]:
     """(the shard's peak of activations, halo buffers, parameter gradients and gradient buckets, where it
-    falls, the gradients and the buckets live then). A parameter's gradient appears at the backward of the
+    falls, at which op, the gradients and the buckets live then). A parameter's gradient appears at the backward of the
     first op that read it; a bucket's flat copy once its last gradient has (``GradBuckets`` concatenates it
     then, and the summed gradients live in it after the step's ``finish``)."""
     item = ITEM[cluster.dtype]
@@ -288,10 +288,10 @@ def _peak(p_: ShardProfile, profiler: Profiler, cluster: Cluster, buckets: list[
     total = sum(grad_at) + sum(flat_at)
     peak, where, at = p_.peaks(fwd_ws, extra, after=total / scale)
     if where == "backward":
-        return peak * scale, f"backward of {p_.ops[at].module}", grads[at], flats[at]
+        return peak * scale, f"backward of {p_.ops[at].module}", at, grads[at], flats[at]
     if where == "forward":
-        return peak * scale, f"forward of {p_.ops[at].module}", 0.0, 0.0
-    return peak * scale, where, sum(grad_at), sum(flat_at)
+        return peak * scale, f"forward of {p_.ops[at].module}", at, 0.0, 0.0
+    return peak * scale, where, -1, sum(grad_at), sum(flat_at)
 
 
 def workspace(p_: ShardProfile, cluster: Cluster) -> tuple[list[float], list[float]]:

@@ -238,7 +238,8 @@ def _measure(model, opt, shape, dev, dtype: str, steps: int, overhead: float) ->
 
 def _fit(small: dict, large: dict) -> dict:
     """Per group, the line through its (work, time) at the two sizes: a rate and a time per call; where the
-    line is not a rising one (noise, a group of one size), the larger size's plain rate."""
+    two do not make such a line (noise: the larger size ran slower per unit of work; a group of one size), the
+    faster of the two sizes' plain rates."""
     rates: dict = {}
     for (key, phase), (w1, t1, calls) in large.items():
         entry = rates.setdefault(key, {})
@@ -249,8 +250,9 @@ def _fit(small: dict, large: dict) -> dict:
             if fixed >= 0:
                 entry[phase], entry[f"{phase}_call_s"] = rate, fixed
                 continue
-        if w1 > 0 and t1 > 0:
-            entry[phase] = w1 / t1
+        plain = [w / t for w, t in ((w0, t0), (w1, t1)) if w > 0 and t > 0]
+        if plain:
+            entry[phase] = max(plain)
     return {k: v for k, v in rates.items() if v}
 
 
