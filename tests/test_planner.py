@@ -67,6 +67,17 @@ def test_one_shard_by_hand():
     assert p.exchanges == [] and p.halo_bytes == 0
 
 
+def test_saved_activations_live_to_the_backward():
+    """Conv-ReLU-Conv-ReLU: the first ReLU's output, saved for backward, stays live after its last reader, so
+    the last op's forward holds it, the second conv's output and the second ReLU's output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.ReLU())
+    p = profile(model, (1, 1, 16, 16), (1, 1))[0]
+    act = 4 * 16 * 16 * F
+    assert [o.op for o in p.ops] == ["convolution", "relu", "convolution", "relu"]
+    assert p.forward_live[-1] == 3 * act and p.saved_bytes == 2 * act
+
+
 def test_halo_messages_by_hand():
     """On a 1x2 grid each shard of the 16x16 input sends its neighbour one column (16 values) and receives one."""
     left, right = profile(conv_relu(), (1, 1, 16, 16), (1, 2))
@@ -86,6 +97,8 @@ def test_proxy_shard_is_an_interior_shard_of_the_real_grid():
     real = profile(model, (1, 1, 100, 100), (5, 5), shards=[12])[0]
     shape, grid = proxy((100, 100), (5, 5))
     assert (shape, grid) == ((60, 60), (3, 3))
+    # the largest shard's extent (101 / 5 -> 21), kept divisible as the image is (64 / 4 -> 16, by 16)
+    assert proxy((101, 64, 7), (5, 4, 2)) == ((63, 48, 7), (3, 3, 2))
     mid = profile(model, (1, 1, *shape), grid, shards=[4])[0]
     assert mid.saved_bytes == real.saved_bytes and mid.peaks()[0] == real.peaks()[0]
     assert sorted(e.bytes for e in mid.exchanges if e.kind == "halo") == \
@@ -229,7 +242,8 @@ def test_cli_plan_text_and_json(capsys):
     code, text, _ = run(common + ["--layers"], capsys)
     assert code == 0, text
     for part in ("PREDICTED", "Grid ", "Memory per process", "activations", "total", "fits", "Time per step",
-                 "gradient allreduce", "'features.2' (Conv2d)", "spmd_slurm.sbatch train.py --grid"):
+                 "compute: forward", "exposed communication", "gradient allreduce", "'features.2' (Conv2d)",
+                 "spmd_slurm.sbatch train.py --grid"):
         assert part in text, part
     code, out, _ = run(common + ["--json", "--max-size"], capsys)
     r = json.loads(out)

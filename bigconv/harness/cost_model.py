@@ -104,17 +104,19 @@ class Cluster:
 def proxy(shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(spatial shape, grid) of the proxy: an axis cut in more than 3 shards becomes 3 shards of the real
     grid's largest extent ``ceil(n / g)``, so the middle one is an interior shard of the real grid. The
-    extent is rounded up to a multiple of the power of two that divides ``n`` (at most 64), so a model that
-    needs its input divisible by its strides (FCN2D: by 8) takes the proxy as it takes the real image; this
-    overstates a shard by less than 64 positions a side."""
+    extent is rounded up to a multiple of the power of two that divides ``n`` (at most 64, and at most the
+    extent's own largest power of two), so a model that needs its input divisible by its strides (FCN2D: by
+    8) takes the proxy as it takes the real image; this overstates a shard by less than 64 positions a side
+    and by less than half."""
     spatial, sub = [], []
     for n, g in zip(shape, grid):
         if g <= 3:
             spatial.append(n)
             sub.append(g)
         else:
-            m = min(n & -n, 64)
-            spatial.append(3 * -(-(-(-n // g)) // m) * m)
+            c = -(-n // g)
+            m = min(n & -n, 64, 1 << (c.bit_length() - 1))
+            spatial.append(3 * -(-c // m) * m)
             sub.append(3)
     return tuple(spatial), tuple(sub)
 

@@ -47,7 +47,7 @@ def candidates(spatial: tuple[int, ...], gpus: int, batch: int, keep: int = 3) -
 def choose(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, grid=None, replicas: int | None = None
            ) -> tuple[Estimate, list[Estimate]]:
     """The plan for ``cluster.gpus``: the given grid, or the fastest candidate that fits (the smallest if
-    none fits); and every candidate priced."""
+    none fits; within 1% of it, the one of least cut surface); and every candidate priced."""
     spatial = tuple(shape[2:])
     if grid is not None:
         r = replicas or cluster.gpus // math.prod(grid)
@@ -58,7 +58,11 @@ def choose(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, grid=No
             [(choose_grid(spatial, cluster.gpus // replicas), replicas)]
     priced = [estimate(profiler, shape, cluster, g, r) for g, r in options]
     fitting = [e for e in priced if e.fits]
-    best = min(fitting, key=lambda e: e.time["step"]) if fitting else min(priced, key=lambda e: e.memory["total"])
+    pool, key = (fitting, lambda e: e.time["step"]) if fitting else (priced, lambda e: e.memory["total"])
+    # Within 1% of the best, the first in the candidates' order (the least cut surface) wins: the proxies of
+    # different grids round their shards differently, by less than that.
+    floor = min(key(e) for e in pool)
+    best = next(e for e in pool if key(e) <= 1.01 * floor)
     return best, priced
 
 
