@@ -19,6 +19,13 @@ measures): peak RSS above the resident set before the model existed, through two
 A line through the two (peak = fixed + per_pixel * pixels) gives one process's peak at the full
 input, and ``fixed + per_pixel * pixels / N`` a worker's (halos and the small maps replicated on every
 worker are left out). How far this is off is measured in ``docs/check.md``.
+
+With ``--gpus N --gpu NAME`` it plans a cluster instead (``bigconv.harness.plan_report``): per process, the
+parameters, gradients, optimizer state, the largest shard's peak activations and halo buffers; per step,
+each layer's compute, halo messages and bytes, the gradient allreduce and what of it the engine hides; the
+grid it would choose, the fewest GPUs that fit and, with ``--max-size``, the largest image for N GPUs. All
+from dry runs on meta tensors and a device table (``bigconv.harness.devices``): no GPU needed, no process
+started. Exit status 0 when the plan fits, 1 when it does not (or the model does not decompose).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from .geometry.boxes import TransposedWindow, Window, balanced_bounds, check_positive_int, choose_grid, validate_grid
+from .harness import devices
 from .harness.model_spec import FORMS, build_model
 from .ops.shards import global_shape, is_replicated
 from .planning import Planner
@@ -265,6 +273,39 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-size", type=int, default=64, help="edge of the exactness check's float64 input")
     p.add_argument("--exact-workers", type=int, default=None,
                    help="local workers of the exactness check (default: --workers, at most 4)")
+    g = p.add_argument_group("cluster planning (with --gpus; docs/check.md#planning-a-cluster)")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="plan for this many GPUs, one process each, instead of checking on local workers")
+    g.add_argument("--gpu", default=None,
+                   help=f"the GPU: {', '.join(devices.GPUS)}; NAME:key=value,... overrides figures "
+                        "(h100-80gb:memory_gib=64), a JSON file gives your own")
+    g.add_argument("--link", default=None, help=f"link between the GPUs of a node: {', '.join(devices.LINKS)} "
+                                                 "(default: the GPU's usual one)")
+    g.add_argument("--nodes", type=int, default=None,
+                   help="nodes the GPUs sit on (default: as many as the GPU's usual node size needs)")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU's usual node)")
+    g.add_argument("--inter", default=None, help="link between nodes (default: the GPU's usual one)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                   help="the model's and the activations' dtype")
+    g.add_argument("--amp", default=None, choices=["bfloat16", "float16"],
+                   help="autocast dtype: activations and convolutions in it, parameters in --dtype")
+    g.add_argument("--optimizer", default="momentum", choices=["sgd", "momentum", "adam", "adamw"],
+                   help="what the optimizer keeps per parameter")
+    g.add_argument("--memory", type=float, default=None, help="GiB per GPU, instead of the device table's")
+    g.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of each GPU's memory a plan leaves free for the allocator's fragmentation")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="data-parallel replicas (default: the fastest the batch allows)")
+    g.add_argument("--max-size", action="store_true", help="also find the largest input of this shape's proportions "
+                                                           "that fits --gpus GPUs")
+    g.add_argument("--size-multiple", type=int, default=8, help="--max-size's sizes are multiples of this")
+    g.add_argument("--no-search", action="store_true", help="skip the search for the fewest GPUs that fit")
+    g.add_argument("--op-table", default=None, help="per-op rates measured with --calibrate-ops (JSON), instead of "
+                                                    "the device table's")
+    g.add_argument("--calibrate-ops", default=None, metavar="FILE",
+                   help="measure per-op rates of MODEL on this machine's GPU (or CPU) at --input, write them to FILE "
+                        "and exit")
+    g.add_argument("--layers", action="store_true", help="print the per-layer table")
     return p
 
 
@@ -381,9 +422,43 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def planning(args) -> int:
+    from .harness import plan_report
+
+    check_positive_int(args.gpus, "--gpus")
+    if args.gpu is None:
+        raise ValueError(f"--gpus needs --gpu: one of {', '.join(devices.GPUS)}, NAME:key=value,... or a JSON file")
+    if args.grid and len(args.grid) != len(args.input) - 2:
+        raise ValueError(f"--grid {args.grid} has {len(args.grid)} entries but the input has "
+                         f"{len(args.input) - 2} spatial dims")
+    model = build_model(args.model)
+    r = plan_report.plan(args, model)
+    print(json.dumps(r, indent=1) if args.json else plan_report.report(r, layers=args.layers))
+    return 0 if r["decomposable"] and r["plan"]["fits"] else 1
+
+
+def calibrating(args) -> int:
+    from .harness.op_table import calibrate
+
+    table = calibrate(build_model(args.model), tuple(args.input))
+    table.save(args.calibrate_ops)
+    steps = ", ".join(f"{t:.3f}" for t in table.calibration["plain_step_s"])
+    sizes = " and ".join("x".join(map(str, s)) for s in (table.calibration["input"], table.calibration["second_input"]))
+    print(f"per-op rates of {args.model} at {sizes} on {table.calibration['device_name']} written to "
+          f"{args.calibrate_ops} (plain steps {steps} s)")
+    if table.device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        print("note: on a CPU, run it under the workers' allocator settings (eval \"$(python -m "
+              "experiments.cluster.env)\") for its transient-memory figures to read what bigconv's ranks hold")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.calibrate_ops:
+            return calibrating(args)
+        if args.gpus is not None:
+            return planning(args)
         r = check(args)
     except ValueError as exc:
         print(f"bigconv check: {exc}", file=sys.stderr)

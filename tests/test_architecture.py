@@ -79,10 +79,11 @@ SUBLAYERS = {
     "bigconv.spmd": [["bigconv.spmd.agreement"], ["bigconv.spmd.model"], ["bigconv.spmd"]],
     "bigconv.harness": [
         ["bigconv.harness.cli", "bigconv.harness.model_spec", "bigconv.harness.recorder", "bigconv.harness.records",
-         "bigconv.harness.registry"],
-        ["bigconv.harness.workload"],
-        ["bigconv.harness.spmd_workload"],
-        ["bigconv.harness.runner"],
+         "bigconv.harness.registry", "bigconv.harness.shard_profile"],
+        ["bigconv.harness.workload", "bigconv.harness.devices", "bigconv.harness.op_table"],
+        ["bigconv.harness.spmd_workload", "bigconv.harness.cost_model"],
+        ["bigconv.harness.runner", "bigconv.harness.plan_search"],
+        ["bigconv.harness.plan_report"],
         ["bigconv.harness"],
     ],
 }
@@ -98,7 +99,8 @@ shard's engine), then the step every front end runs on it.
 runtime: processes, sockets, the RPC agent, a worker's host and the model part installed on it, then the
 two worlds' workers
 (``worker``, ``spmd_world``), the driver's ``World``, the local launcher of SPMD ranks. spmd: the plan
-agreement, the front end. harness: leaves, then the workloads, then the runner that runs them.
+agreement, the front end. harness: leaves (and the shard profile of a dry run), then the workloads and the device and op
+tables, then the cost model, then the runner and the plan search, then the planner's report.
 ``bigconv.ops`` has no row order here: its rules call each other directly (``tests/test_seams.py`` keeps
 ops free of circles and of the concrete mode)."""
 

@@ -18,12 +18,13 @@ import pytest
 CLIS = [
     "bigconv.check", "experiments.alternatives", "experiments.bench_compile", "experiments.bench_core",
     "experiments.bench_slides",
-    "experiments.checkpoint_cost", "experiments.cluster.run", "experiments.context", "experiments.demo",
+    "experiments.checkpoint_cost", "experiments.cluster.run", "experiments.cluster.train_spmd", "experiments.context",
+    "experiments.demo",
     "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
     "experiments.grad_group_cost", "experiments.host_bound",
-    "experiments.maxsize", "experiments.memory_probe", "experiments.runtime_costs", "experiments.spmd_overhead",
-    "experiments.step_time_ab", "experiments.sweep", "experiments.verdict_panel", "experiments.whole_slide",
-    "experiments.zoo_coverage",
+    "experiments.maxsize", "experiments.memory_probe", "experiments.planner", "experiments.runtime_costs",
+    "experiments.spmd_overhead", "experiments.step_time_ab", "experiments.sweep", "experiments.verdict_panel",
+    "experiments.whole_slide", "experiments.zoo_coverage",
     "multidsn.train", "plots",
     "plots.alternatives", "plots.context", "plots.core", "plots.dsn", "plots.tables",
 ]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# LSF + jsrun (Summit style): resource sets of 1 GPU, one process each; WORKERS workers plus a driver.
+# LSF + jsrun (Summit style), driver mode: resource sets of 1 GPU, one process each; WORKERS workers plus
+# a driver. (Your own training script: spmd_lsf.sh, the SPMD mode, has no driver.)
 #
 #   bsub -nnodes 2 -W 120 -P PROJECT -env "all,MODEL=cnn2d,SIZES=2048 4096 6144" experiments/cluster/summit_lsf.sh
 #
@@ -10,7 +11,8 @@
 #   GPUS_PER_NODE      resource sets per node                                         [6]
 #   CORES_PER_RS       cores per resource set                                         [7]
 #   MODEL, SIZES, DEVICE, BUDGET, OUT, PLAIN   as in slurm.sbatch          [OUT: results/<MODEL>_lsf.jsonl]
-#   MASTER_PORT        port of the world's store; RPC uses MASTER_PORT+1               [29500]
+#   MASTER_PORT        the one port the world takes (its store; RPC and the gradient group meet
+#                      through it); BIGCONV_PORT overrides it                        [29500]
 # World.from_env() reads JSM_NAMESPACE_RANK/SIZE/LOCAL_RANK and takes the driver's host from the first
 # compute host of LSB_DJOB_RANKFILE (its first line is the launch node, which runs no rank).
 # RPC executes pickled Python from whoever connects: run on a trusted network only.

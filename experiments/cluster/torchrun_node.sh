@@ -12,7 +12,8 @@
 #   BUDGET    per-process memory cap, e.g. 16GiB (GPU: memory fraction), empty for none     []
 #   OUT       results file (appended, resumable)                    [results/<MODEL>_torchrun.jsonl]
 #   PLAIN     1: also run the plain single-process baseline at each size                    [1]
-#   PORT      torchrun's rendezvous port; the world uses PORT+2 and PORT+3                  [29500]
+#   PORT      torchrun's rendezvous port; the world's one port is PORT+2 (torchrun's agent holds
+#             PORT); BIGCONV_PORT overrides it                                             [29500]
 # Each configuration is a fresh launch (fresh processes); rerunning skips recorded ones.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
