@@ -13,6 +13,7 @@ A failure here points to ``bigconv/data/outputs.py`` or the ``predict`` of ``par
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -125,3 +126,29 @@ def test_a_read_error_on_every_worker_leaves_the_world_usable(world, slide_zarr,
     assert not world.broken, world.broken
     src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
     assert net(src).shape == (1, 2, 64, 64)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(180)
+def test_a_read_error_on_one_worker_releases_the_others_promptly(world, slide_zarr, tmp_path, transport):
+    """One worker's box holds a corrupt chunk: the others must not wait out the World's timeout in their
+    halo exchanges with it. Every worker learns of the failed read before the forward starts (one small
+    agreement per call that reads sources), so all raise together, the failing worker's own message
+    reaches the user, and the World stays usable."""
+    net = bigconv.parallelize(dense(), world, grid=(2, 2), transport=transport)
+    expected = net([open_image(slide_zarr, dtype="float64", scale=1 / 255)])
+    chunk = os.path.join(slide_zarr, "c", "0", "1", "1")  # rows and columns 32-63: the last worker's box only
+    good = open(chunk, "rb").read()
+    with open(chunk, "r+b") as fh:
+        fh.seek(4)
+        fh.write(b"\xff" * 16)
+    start = time.perf_counter()
+    with pytest.raises(bigconv.WorkerFailure, match=r"slide\.zarr.*level 0.*box") as info:
+        net([open_image(slide_zarr, dtype="float64", scale=1 / 255)])
+    took = time.perf_counter() - start
+    assert took < world.timeout / 4, f"the other workers waited {took:.1f}s for the failed one"
+    assert "did not complete exchange" not in str(info.value), info.value
+    assert not world.broken, world.broken
+    with open(chunk, "wb") as fh:
+        fh.write(good)
+    assert torch.equal(net([open_image(slide_zarr, dtype="float64", scale=1 / 255)]), expected)

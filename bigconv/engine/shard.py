@@ -30,6 +30,11 @@ from .buckets import GradBuckets
 from .executor import ShardExecutor
 
 
+class SourceReadError(RuntimeError):
+    """Another process could not read its box of the sources (its own error is in the message); this
+    one stopped with it before its forward."""
+
+
 class ShardEngine:
     def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None, seed: int = 0,
                  compile: bool = False) -> None:
@@ -61,6 +66,30 @@ class ShardEngine:
     def read(self, x):
         """``x`` itself, or for a ``ShardRead`` its tensor: prefetched, or read here now."""
         return self.rt.reads.take_or_read(x, self.rt.timeout, self.rt.stats) if isinstance(x, ShardRead) else x
+
+    def read_agreed(self, x):
+        """``read(x)``, agreed by every rank of the gradient group: when one process cannot read its box,
+        every process raises together, before any halo exchange or collective waits on the one that
+        failed (it would wait out the timeout and leave the process group unusable). The failing
+        process raises its own error, the others a ``SourceReadError`` carrying its message. One
+        one-element all-reduce per call that reads sources; the messages travel only on failure."""
+        if not isinstance(x, ShardRead):
+            return x
+        try:
+            tensor, error = self.read(x), None
+        except Exception as exc:  # noqa: BLE001 - every read error is agreed, then re-raised as it was
+            tensor, error = None, exc
+        failed = torch.tensor([0 if error is None else 1], device=self.rt.device)
+        dist.all_reduce(failed, group=self.grad_group)
+        if not failed.item():
+            return tensor
+        messages: list = [None] * dist.get_world_size(self.grad_group)
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(messages, mine, group=self.grad_group)
+        if error is not None:
+            raise error
+        raise SourceReadError("; ".join(f"rank {r} could not read its box: {m}"
+                                         for r, m in enumerate(messages) if m is not None))
 
     def forward(self, grid: tuple[int, ...], in_shape: tuple[int, ...], x_local: torch.Tensor, grad, call: int):
         """The model on this shard; ``grad="input"`` keeps the input shard as a leaf to read its gradient."""

@@ -121,7 +121,7 @@ class StepResult:
 
 def forward(engine: ShardEngine, shard: ShardCall, grad) -> Any:
     """The model on this shard's input (read here from its sources when it is a ``ShardRead``)."""
-    return engine.forward(shard.grid, shard.in_shape, engine.read(shard.x), grad, shard.call)
+    return engine.forward(shard.grid, shard.in_shape, engine.read_agreed(shard.x), grad, shard.call)
 
 
 def run(engine: ShardEngine, cmd: StepCommand, kept: Any = None) -> StepResult:
@@ -143,7 +143,7 @@ def run(engine: ShardEngine, cmd: StepCommand, kept: Any = None) -> StepResult:
 def _backward(engine: ShardEngine, cmd: StepCommand, out) -> torch.Tensor | None:
     part = cmd.loss
     if isinstance(part, PerShardLoss):
-        target = engine.read(cmd.shard.target)
+        target = engine.read_agreed(cmd.shard.target)
         if isinstance(cmd.shard.target, ShardRead):  # labels read here: checked with every rank
             engine.check_labels(part.loss_fn, out, target, cmd.group)
         local, loss = engine.dense_loss(part.loss_fn, out, target, cmd.group)

@@ -147,7 +147,7 @@ class ModelPart:
         try:
             out = self._forward(shard, grad)
             if loss_fn is not None:
-                target = self.engine.read(shard.target)
+                target = self.engine.read_agreed(shard.target)
                 if isinstance(shard.target, ShardRead):  # this worker's box of the label maps
                     losses.check_labels_here(loss_fn, out, target)
                 num, den = losses.shard_parts(loss_fn.to(self.rt.device), out, target.to(self.rt.device))
