@@ -328,19 +328,27 @@ def case_sizes() -> dict[str, int]:
 
 
 # -- failures -------------------------------------------------------------------------------------------
-def failing_rank(how: str, timeout: float) -> dict:
-    """Rank 1 dies (``kill``) or stalls (``stall``) in the middle of a forward; rank 0 reports how long
-    it took to raise, and what."""
+def failing_rank(how: str, timeout: float, where: str = "forward") -> dict:
+    """Rank 1 dies (``kill``) or stalls (``stall``) in the middle of a forward, or (``where="allreduce"``)
+    in its backward after its last halo exchange, so the others meet its absence in the gradient
+    allreduce; every other rank reports how long it took to raise, and what."""
     world = bigconv.World.from_env(mode="spmd", device="cpu", timeout=timeout)
-    net = bigconv.parallelize(CNN2D(in_channels=1, num_classes=3), world, grid=(2, 1))
+    net = bigconv.parallelize(CNN2D(in_channels=1, num_classes=3), world, grid=(world.size, 1))
     net.optimizer(torch.optim.SGD, lr=0.1)
-    x, y = torch.randn(2, 1, 32, 32), torch.tensor([0, 1])
+    x, y = torch.randn(2, 1, 16 * world.size, 32), torch.tensor([0, 1])
     net.train_step(x, y, nn.CrossEntropyLoss())  # a healthy step first
     if world.rank == 1:
-        if how == "kill":
-            os._exit(3)
-        time.sleep(timeout * 3)
-        return {"stalled": True}
+        def fail(*_):
+            if how == "kill":
+                os._exit(3)
+            time.sleep(timeout * 3)
+
+        if where == "forward":
+            fail()
+            return {"stalled": True}
+        # The first convolution's weight gets its gradient last, after every halo of the backward (its
+        # input, the image, takes no gradient): from there on only the allreduce waits on this rank.
+        next(net.model.parameters()).register_hook(fail)
     start = time.monotonic()
     try:
         net.train_step(x, y, nn.CrossEntropyLoss())

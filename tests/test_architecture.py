@@ -58,7 +58,7 @@ SUBLAYERS = {
         ["bigconv.data"],
     ],
     "bigconv.transport": [
-        ["bigconv.transport.comm_checks", "bigconv.transport.mesh"],
+        ["bigconv.transport.comm_checks", "bigconv.transport.mesh", "bigconv.transport.roll_call"],
         ["bigconv.transport"],
         ["bigconv.transport.p2p", "bigconv.transport.rpc"],
     ],
@@ -92,7 +92,7 @@ the modules of one row do not import each other.
 
 geometry: the two index-math modules, then the package's names. data: formats (``readers``), views
 and the synthetic slides, then what a worker reads (``sources``: a box of a slide), then iteration
-(``dataset``, ``prefetch``), then the package's names. transport: the NCCL-rule test modes, the
+(``dataset``, ``prefetch``), then the package's names. transport: the NCCL-rule test modes, the mesh, the roll call, the
 ``Link`` interface and the worker's transport state (``__init__``), then the two links. engine: the
 gradient buckets, the executor and the plan, then what runs on them (checkpoint replay, the dry run, a
 shard's engine), then the step every front end runs on it.

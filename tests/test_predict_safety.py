@@ -138,7 +138,8 @@ def test_a_read_error_on_one_worker_releases_the_others_promptly(world, slide_za
     net = bigconv.parallelize(dense(), world, grid=(2, 2), transport=transport)
     expected = net([open_image(slide_zarr, dtype="float64", scale=1 / 255)])
     chunk = os.path.join(slide_zarr, "c", "0", "1", "1")  # rows and columns 32-63: the last worker's box only
-    good = open(chunk, "rb").read()
+    with open(chunk, "rb") as fh:
+        good = fh.read()
     with open(chunk, "r+b") as fh:
         fh.seek(4)
         fh.write(b"\xff" * 16)

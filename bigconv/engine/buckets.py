@@ -24,8 +24,9 @@ BUCKET_BYTES = 25 * 2**20
 
 class GradBuckets:
     def __init__(self, params: list[torch.nn.Parameter], group, timeout: float,
-                 bucket_bytes: int | None = None) -> None:
-        self.group, self.timeout = group, timeout
+                 bucket_bytes: int | None = None, roll_call=None) -> None:
+        """``roll_call``: a ``transport.roll_call.RollCall`` to name the rank a failed sum lost."""
+        self.group, self.timeout, self.roll_call = group, timeout, roll_call
         self.device = params[0].device if params else torch.device("cpu")
         bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         self.buckets: list[list[torch.nn.Parameter]] = []
@@ -100,8 +101,10 @@ class GradBuckets:
                     offset += p.numel()
             wait_work(seen, self.device, self.timeout)
         except Exception as exc:
+            who = "another rank died or stalled" if self.roll_call is None else \
+                self.roll_call.describe(min(10.0, self.timeout / 2))
             raise WorkerFailure(f"rank {dist.get_rank()}: the gradient allreduce did not complete within "
-                                f"{self.timeout:g}s (another rank died or stalled): {exc}") from exc
+                                f"{self.timeout:g}s ({who}): {exc}") from exc
         for p, n in zip(params, present.tolist()):
             if n == 0:
                 p.grad = None

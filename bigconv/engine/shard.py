@@ -59,7 +59,8 @@ class ShardEngine:
     def buckets(self) -> GradBuckets:
         if self._buckets is None:  # hooks only on a model that trains on this engine
             params = [p for p in self.model.parameters() if p.requires_grad]
-            self._buckets = GradBuckets(params, self.grad_group, self.rt.timeout)
+            self._buckets = GradBuckets(params, self.grad_group, self.rt.timeout,
+                                        roll_call=getattr(self.rt.mesh, "roll_call", None))
         return self._buckets
 
     # -- forward ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from . import launch_env, netbind
 from .agent import WorldClosedError, pick_device
 from ..transport import process_group_timeout
 from ..transport.mesh import Mesh
+from ..transport.roll_call import RollCall
 from ..transport.comm_checks import CommChecks, OrderRecorder, order_mismatches
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class SpmdWorld:
         # which NCCL (one stream per communicator) cannot run (transport.comm_checks records it).
         with netbind.bound_to(self.ifname):
             self.grad_group = dist.new_group(list(range(size)))
+        self.roll_call = RollCall(dist.PrefixStore(STORE_PREFIX, self._store), rank, size)
 
     @classmethod
     def from_env(cls, *, device: str = "auto", timeout: float = 300.0, env=None) -> "SpmdWorld":
@@ -113,7 +115,7 @@ class SpmdWorld:
             self._warm_up(group)
             self._warm_up(replica_group)
             self._meshes[replicas] = Mesh(replicas, spatial, r, self.rank % spatial, tuple(ranks), group,
-                                          replica_group, replica_ranks)
+                                          replica_group, replica_ranks, self.roll_call)
         return self._meshes[replicas]
 
     def _new_group(self, ranks: list[int]):

@@ -5,7 +5,8 @@ Ranks are laid out replica-major: rank ``r * S + s`` holds shard ``s`` of replic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,3 +24,6 @@ class Mesh:
     replica_group: object
     """The data-parallel group: this shard position in every replica."""
     replica_ranks: tuple[int, ...]
+    roll_call: Any = field(default=None, compare=False)
+    """A ``transport.roll_call.RollCall`` over the job's store (SPMD), to name the rank a failed
+    collective lost; None where the driver names it."""
