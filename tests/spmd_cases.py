@@ -333,9 +333,13 @@ def failing_rank(how: str, timeout: float, where: str = "forward") -> dict:
     in its backward after its last halo exchange, so the others meet its absence in the gradient
     allreduce; every other rank reports how long it took to raise, and what."""
     world = bigconv.World.from_env(mode="spmd", device="cpu", timeout=timeout)
-    net = bigconv.parallelize(CNN2D(in_channels=1, num_classes=3), world, grid=(world.size, 1))
-    net.optimizer(torch.optim.SGD, lr=0.1)
     x, y = torch.randn(2, 1, 16 * world.size, 32), torch.tensor([0, 1])
+    model = CNN2D(in_channels=1, num_classes=3)
+    if where == "loss":  # a dense map and a per-pixel loss: its sum over the ranks is a collective
+        model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 3, padding=1))
+        y = torch.randint(0, 3, (2, 16 * world.size, 32))
+    net = bigconv.parallelize(model, world, grid=(world.size, 1))
+    net.optimizer(torch.optim.SGD, lr=0.1)
     net.train_step(x, y, nn.CrossEntropyLoss())  # a healthy step first
     if world.rank == 1:
         def fail(*_):
@@ -346,9 +350,12 @@ def failing_rank(how: str, timeout: float, where: str = "forward") -> dict:
         if where == "forward":
             fail()
             return {"stalled": True}
+        if where == "loss":  # after its forward's last halo: the others meet its absence in the loss's sum
+            net.model.register_forward_hook(fail)
         # The first convolution's weight gets its gradient last, after every halo of the backward (its
         # input, the image, takes no gradient): from there on only the allreduce waits on this rank.
-        next(net.model.parameters()).register_hook(fail)
+        else:
+            next(net.model.parameters()).register_hook(fail)
     start = time.monotonic()
     try:
         net.train_step(x, y, nn.CrossEntropyLoss())

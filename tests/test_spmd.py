@@ -113,13 +113,14 @@ def test_dead_or_stalled_rank_is_an_error_naming_it(how):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["kill", "stall"])
-def test_a_rank_lost_in_the_gradient_allreduce_is_named_by_every_survivor(how):
-    """The allreduce involves every rank, so its error alone cannot say who is gone: the survivors'
+@pytest.mark.parametrize("where, what", [("allreduce", "gradient allreduce"), ("loss", "the loss's sum")])
+def test_a_rank_lost_in_a_collective_is_named_by_every_survivor(how, where, what):
+    """A collective involves every rank, so its error alone cannot say who is gone: the survivors'
     roll call names rank 1, and only rank 1, on ranks 0 and 2, within the timeout and the roll call's wait."""
     timeout = 8.0
-    r0, _, r2 = launch.run(spmd_cases.failing_rank, 3, (how, timeout, "allreduce"), timeout=120, partial=True)
+    r0, _, r2 = launch.run(spmd_cases.failing_rank, 3, (how, timeout, where), timeout=120, partial=True)
     for r in (r0, r2):
         assert isinstance(r, dict) and r["error"], r
-        assert "gradient allreduce" in r["error"] and "rank 1 did not answer a roll call" in r["error"], r["error"]
+        assert what in r["error"] and "rank 1 did not answer a roll call" in r["error"], r["error"]
         assert "rank 0 did not" not in r["error"] and "rank 2 did not" not in r["error"], r["error"]
         assert r["seconds"] <= timeout + min(10.0, timeout / 2) + 10, r

@@ -22,6 +22,12 @@ BUCKET_BYTES = 25 * 2**20
 """The default bucket size (read when buckets are made: a test sets 1 for one bucket per parameter)."""
 
 
+def lost_rank_wait(timeout: float) -> float:
+    """How long survivors of a failed collective wait for each other's answer to a roll call: long
+    enough for the slowest survivor to fail too, bounded so the error comes soon after the timeout."""
+    return min(10.0, timeout / 2)
+
+
 class GradBuckets:
     def __init__(self, params: list[torch.nn.Parameter], group, timeout: float,
                  bucket_bytes: int | None = None, roll_call=None) -> None:
@@ -102,7 +108,7 @@ class GradBuckets:
             wait_work(seen, self.device, self.timeout)
         except Exception as exc:
             who = "another rank died or stalled" if self.roll_call is None else \
-                self.roll_call.describe(min(10.0, self.timeout / 2))
+                self.roll_call.describe(lost_rank_wait(self.timeout))
             raise WorkerFailure(f"rank {dist.get_rank()}: the gradient allreduce did not complete within "
                                 f"{self.timeout:g}s ({who}): {exc}") from exc
         for p, n in zip(params, present.tolist()):

@@ -14,6 +14,8 @@ module is that thing. The front ends only decide where the input, the targets an
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -25,8 +27,8 @@ from ..ops.random import RandomDraws
 from ..ops.shards import ModulePath, mark
 from ..ops.sync_norm import adopt as adopt_sync_batchnorm
 from ..ops import whole
-from ..transport import WorkerRuntime, check_wire
-from .buckets import GradBuckets
+from ..transport import WorkerFailure, WorkerRuntime, check_wire
+from .buckets import GradBuckets, lost_rank_wait
 from .executor import ShardExecutor
 
 
@@ -68,6 +70,20 @@ class ShardEngine:
         """``x`` itself, or for a ``ShardRead`` its tensor: prefetched, or read here now."""
         return self.rt.reads.take_or_read(x, self.rt.timeout, self.rt.stats) if isinstance(x, ShardRead) else x
 
+    @contextmanager
+    def naming_lost_ranks(self, what: str):
+        """Around a collective: if it fails, a ``WorkerFailure`` naming the ranks gone, from a roll call
+        (SPMD; in the driver mode the driver names a dead worker itself). A collective's own error
+        says only that some rank is gone; a halo wait already names its peers."""
+        try:
+            yield
+        except Exception as exc:
+            roll_call = getattr(self.rt.mesh, "roll_call", None)
+            if roll_call is None:
+                raise
+            gone = roll_call.describe(lost_rank_wait(self.rt.timeout))
+            raise WorkerFailure(f"rank {dist.get_rank()}: {what} failed ({gone}): {exc}") from exc
+
     def read_agreed(self, x):
         """``read(x)``, agreed by every rank of the gradient group: when one process cannot read its box,
         every process raises together, before any halo exchange or collective waits on the one that
@@ -81,7 +97,8 @@ class ShardEngine:
         except Exception as exc:  # noqa: BLE001 - every read error is agreed, then re-raised as it was
             tensor, error = None, exc
         failed = torch.tensor([0 if error is None else 1], device=self.rt.device)
-        dist.all_reduce(failed, group=self.grad_group)
+        with self.naming_lost_ranks("agreeing on the reads"):
+            dist.all_reduce(failed, group=self.grad_group)
         if not failed.item():
             return tensor
         messages: list = [None] * dist.get_world_size(self.grad_group)
@@ -109,7 +126,8 @@ class ShardEngine:
         sums = torch.stack([num.detach().double().reshape(()),
                             torch.tensor(float(den or 0.0), dtype=torch.float64, device=out.device)])
         check_wire([sums], self.rt.device, "the loss's sum")
-        dist.all_reduce(sums, group=group)
+        with self.naming_lost_ranks("the loss's sum"):
+            dist.all_reduce(sums, group=group)
         if den is None:
             return num, sums[0]
         total = sums[1].item()
@@ -120,7 +138,8 @@ class ShardEngine:
         of ``group``, so all raise the same ValueError together and none is left waiting in the loss's sum."""
         bad = losses.labels_out_of_range(loss_fn, target, out.shape[1])
         found: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(found, int(bad[0]) if bad.numel() else None, group=group)
+        with self.naming_lost_ranks("checking the labels"):
+            dist.all_gather_object(found, int(bad[0]) if bad.numel() else None, group=group)
         first = next((b for b in found if b is not None), None)
         if first is not None:
             raise ValueError(losses.label_message(first, out.shape[1]))

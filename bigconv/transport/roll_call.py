@@ -45,4 +45,5 @@ class RollCall:
         if not gone:
             return "every rank answered a roll call after it (a rank failed there and recovered?)"
         names = ", ".join(f"rank {r}" for r in gone)
-        return f"{names} did not answer a roll call within {wait_s:g}s after it: died or stalled"
+        return (f"{names} did not answer a roll call within {wait_s:g}s after it: died, stalled, or still "
+                "waiting in an earlier exchange")
