@@ -117,6 +117,8 @@ class ModelPart:
         self.model = self.engine.model
         self.kept = None
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
+        self.pyramid = None
+        """The writer of a pyramid being written (``bigconv.data.pyramid.LevelWriter``)."""
 
     @classmethod
     def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "ModelPart":
@@ -168,12 +170,30 @@ class ModelPart:
 
         return one(out) if isinstance(out, torch.Tensor) else [one(t) for t in pytree.tree_leaves(out)]
 
-    def predict(self, shard: ShardCall, path: str, box) -> None:
-        """Run this shard without gradients and write its output region into the zarr array at ``path``."""
-        from ..data import outputs
+    def predict(self, shard: ShardCall, path: str, box, keep: str = "float") -> None:
+        """Run this shard without gradients and write its output region, as ``keep`` says
+        (``bigconv.data.pyramid.convert``), into the zarr array at ``path``."""
+        from ..data import outputs, pyramid
 
         out = self.forward(shard, grad=False)
-        outputs.write(path, box_index(box, out.dim()), out.numpy())
+        outputs.write(path, box_index(box, out.dim()), pyramid.convert(keep, out, out.shape[1]))
+
+    def predict_pyramid(self, shard: ShardCall, root: str, spec, coord) -> None:
+        """Level 0 of an OME-Zarr pyramid: this shard's region; kept here for ``pyramid_level``."""
+        from ..data import pyramid
+
+        self.pyramid = None
+        writer = pyramid.LevelWriter(spec, root, coord)
+        writer.first(self.forward(shard, grad=False))
+        self.pyramid = writer
+
+    def pyramid_level(self, level: int) -> None:
+        """Level ``level`` of the pyramid ``predict_pyramid`` began, from this worker's region above."""
+        if self.pyramid is None:
+            raise RuntimeError("no pyramid is being written here (an earlier call failed); predict again")
+        self.pyramid.next(level)
+        if level == self.pyramid.spec.levels - 1:
+            self.pyramid = None
 
     def make_optimizer(self, cls, kwargs: dict) -> None:
         self.engine.make_optimizer(cls, kwargs)
