@@ -204,6 +204,13 @@ class ParallelModel:
         return prediction.predict(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep, levels=levels,
                                   mpp=mpp, classes=classes)
 
+    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict:
+        """For each module named in ``layers``: its output and, with ``target`` (a class) or ``y`` and
+        ``loss_fn``, the gradient reaching it, whole on the driver (``bigconv.capture``)."""
+        from . import capture
+
+        return capture.capture(self, layers, x, y, loss_fn, target)
+
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start every worker reading its boxes of the next call's sources (``x``, and ``y`` when they
         are sources too) while the current call computes; that call must then get the same arguments.

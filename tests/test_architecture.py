@@ -65,7 +65,7 @@ SUBLAYERS = {
     "bigconv.engine": [
         ["bigconv.engine.buckets", "bigconv.engine.executor", "bigconv.engine.plan"],
         ["bigconv.engine.checkpointing", "bigconv.engine.dry_run", "bigconv.engine.shard"],
-        ["bigconv.engine.step"],
+        ["bigconv.engine.step", "bigconv.engine.capture"],
         ["bigconv.engine"],
     ],
     "bigconv.runtime": [

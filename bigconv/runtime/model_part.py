@@ -195,6 +195,79 @@ class ModelPart:
         if level == self.pyramid.spec.levels - 1:
             self.pyramid = None
 
+    # -- captures of named modules (bigconv.capture) ----------------------------------------------------
+    def capture_begin(self, names: list, grads: bool) -> None:
+        """Hook the modules ``names`` until ``capture_end`` (``bigconv.engine.capture.Recorder``)."""
+        from ..engine.capture import Recorder
+
+        self.capture_end()
+        self.recorder = Recorder(self.model, names, grads)
+
+    def capture_end(self) -> dict | None:
+        """Remove the hooks; what they recorded on this shard, per name and call."""
+        recorder, self.recorder = getattr(self, "recorder", None), None
+        if recorder is None:
+            return None
+        recorder.close()
+        return recorder.result()
+
+    def capture_forward(self, shard: ShardCall) -> None:
+        """A forward without gradients whose output stays here (the hooks record what they need)."""
+        self.forward(shard, grad=False)
+
+    def capture_score(self, shard: ShardCall, target) -> None:
+        """Forward and backward of an output score (``engine.capture.score_gradient``), built on this
+        shard: no gradients summed into the weights, no step."""
+        from ..engine.capture import score_gradient
+
+        out = self._forward(shard, "input")
+        cmd = StepCommand(shard, OutputGradients(score_gradient(out, target, self.rt.index == 0)), grad="input",
+                          gradients=True)
+        try:
+            step.run(self.engine, cmd, out)
+        except Exception as exc:
+            raise self._located(exc) from exc
+
+    def gradcam_sums(self, name: str) -> torch.Tensor:
+        """This shard's per-channel sums of the gradient reaching ``name`` (captured by ``capture_score``)."""
+        from ..engine.capture import channel_sums
+
+        return channel_sums(self.recorder.calls[name][0])
+
+    def gradcam_map(self, name: str, weights, grid, call: int, size, region) -> torch.Tensor | None:
+        """This shard's part of the Grad-CAM map on the input grid; the hooks end here. With ``region``
+        (path, box index), written into the zarr array there instead of sent back."""
+        from ..engine.capture import cam_map
+
+        piece = self.recorder.calls[name][0]
+        self.capture_end()
+        try:
+            up = cam_map(self.engine, tuple(grid), call, piece, weights, tuple(size))
+        except Exception as exc:
+            raise self._located(exc) from exc
+        return self._region(up, region)
+
+    def saliency_map(self, region) -> torch.Tensor | None:
+        """max over channels of |d score / d input| on this shard (after ``capture_score``)."""
+        self.capture_end()
+        x = self.engine.last_input
+        g = x.grad if x is not None and x.grad is not None else torch.zeros_like(x)
+        return self._region(g.detach().abs().amax(1, keepdim=True).cpu(), region)
+
+    def _region(self, t: torch.Tensor, region):
+        """``t`` itself (``region`` None), or None after writing it: ``("zarr", path, index)`` into an array,
+        ``("ome", root, spec, coord)`` as level 0 of a pyramid whose next levels ``pyramid_level`` writes."""
+        if region is None:
+            return t
+        from ..data import outputs, pyramid
+
+        if region[0] == "zarr":
+            outputs.write(region[1], region[2], t.numpy())
+        else:
+            self.pyramid = pyramid.LevelWriter(region[2], region[1], region[3])
+            self.pyramid.first(t)
+        return None
+
     def make_optimizer(self, cls, kwargs: dict) -> None:
         self.engine.make_optimizer(cls, kwargs)
 
