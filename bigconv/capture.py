@@ -212,3 +212,40 @@ def gradcam_local(model: nn.Module, x: torch.Tensor, layer: str | None = None, t
     cam = torch.relu((a * weights.reshape(*weights.shape, *[1] * (a.dim() - 2))).sum(1, keepdim=True))
     mode = "bilinear" if a.dim() == 4 else "trilinear"
     return torch.nn.functional.interpolate(cam, size=tuple(x.shape[2:]), mode=mode, align_corners=False)
+
+
+def capture_spmd(net, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict[str, Captured]:
+    """``SpmdModel.capture``: every rank calls it with the same arguments and gets the whole captures;
+    each rank hooks its own shard, and the parts are gathered on every rank (one collective)."""
+    import torch.distributed as dist
+
+    from .engine import step as shard_step
+    from .engine.step import OutputGradients, StepCommand
+
+    names = check_layers(net.planner.meta, layers)
+    grads = _check_what(y, loss_fn, target)
+    if net.replicas != 1:
+        raise ValueError("capture on an SPMD world needs replicas=1 (one copy of the grid over the whole batch)")
+    plan = net.plan(x, loss_fn)
+    if plan.several and target is not None:
+        raise ValueError("target= scores a model with one output tensor; use y= and loss_fn= for several outputs")
+    targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1]) if target is not None else None
+    if loss_fn is not None:
+        net.planner.check_loss(plan, x, y, loss_fn)
+    engine = net.engine
+    recorder = Recorder(engine.model, names, grads)
+    try:
+        if targets is not None:
+            shard = net._shard_call(plan, x)
+            out = shard_step.forward(engine, shard, "input")
+            gradient = score_gradient(out, targets, net.mesh.shard == 0)
+            shard_step.run(engine, StepCommand(shard, OutputGradients(gradient), grad="input", gradients=True), out)
+        elif loss_fn is not None:
+            shard_step.run(engine, net._command(plan, x, y, loss_fn, grad="input", gradients=True))
+        else:
+            shard_step.forward(engine, net._shard_call(plan, x), False)
+    finally:
+        recorder.close()
+    parts: list = [None] * net.world.size
+    dist.all_gather_object(parts, recorder.result())
+    return join(parts, plan.grid)

@@ -70,7 +70,11 @@ def test_capture_of_a_classifier_is_exact(world):
     net = bigconv.parallelize(model, world, grid=(2, 2)).eval()
     before = net.state_dict()
     layers = ["layer2", "layer3", "avgpool", "fc"]  # sharded maps, then whole vectors after pooling
-    same(net.capture(layers, x, target=[1, 4]), capture_local(model, layers, x, target=[1, 4]), grads=True)
+    got = net.capture(layers, x, target=[1, 4])
+    same(got, capture_local(model, layers, x, target=[1, 4]), grads=True)
+    with torch.no_grad():
+        close(got["fc"].output, model(x), "fc against model(x)")
+    assert torch.equal(got["fc"].grad, torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 1.0]], dtype=torch.float64))
     y = torch.tensor([0, 3])
     same(net.capture(["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss()),
          capture_local(model, ["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss()), grads=True)
@@ -92,7 +96,15 @@ def test_capture_of_a_segmentation_model_is_exact(world):
     # convolution's output that an in-place ReLU overwrites next, and the output
     se = "decoder.blocks.0.attention1.attention.cSE"
     layers = ["encoder.layer1", f"{se}.0", f"{se}.1", "decoder", "segmentation_head"]
-    same(net.capture(layers, x, target=2), capture_local(model, layers, x, target=2), grads=True)
+    got = net.capture(layers, x, target=2)
+    same(got, capture_local(model, layers, x, target=2), grads=True)
+    # checks independent of the hooks the reference shares: the copy precedes the in-place ReLU, and the last
+    # capture is the model's output, whose score gradient is one at class 2
+    assert (got[f"{se}.1"].output < 0).any(), "captured after the in-place ReLU overwrote it"
+    with torch.no_grad():
+        close(got["segmentation_head"].output, model(x), "the output against model(x)")
+    assert torch.equal(got["segmentation_head"].grad[0, 2], torch.ones(64, 96))
+    assert not got["segmentation_head"].grad[0, :2].any()
     y = torch.randint(0, 3, (1, 64, 96))
     same(net.capture(layers, x, y, loss_fn=nn.CrossEntropyLoss()),
          capture_local(model, layers, x, y, loss_fn=nn.CrossEntropyLoss()), grads=True)

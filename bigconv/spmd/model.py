@@ -194,6 +194,12 @@ class SpmdModel:
         self.world.barrier()
         return path
 
+    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict:
+        """The driver mode's ``capture``, on every rank (``bigconv.capture``; replicas=1)."""
+        from .. import capture
+
+        return capture.capture_spmd(self, layers, x, y, loss_fn, target)
+
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start reading this rank's boxes of the next call's sources (``x``, and ``y`` when they are
         sources too) in a background thread while the current call computes; that call must then get
