@@ -10,6 +10,9 @@ shard holds whole (a head's vector) from worker 0, with its gradient summed over
 changes in the model: no gradient is left on a weight, no optimizer steps. ``capture_local`` is the same
 on one process, with plain hooks: the reference the tests compare with.
 
+With ``out=`` (driver mode) the workers write their regions into a zarr group instead, for captures
+the size of a slide (``_write``).
+
 Gradients: of an output score (``target``: a class index, or one per image: the sum of that logit over
 the map for a dense output) built on each shard, one message per worker; or of a loss
 (``y`` and ``loss_fn``) taken on the gathered output by the driver, two messages, as ``net.gradients``
@@ -60,8 +63,59 @@ def _check_what(y, loss_fn, target) -> bool:
     return target is not None or loss_fn is not None
 
 
-def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict[str, Captured]:
+def _edges(spatial: Sequence[int], grid: Sequence[int], max_chunk: int) -> tuple[int, ...]:
+    """Chunk edges dividing every shard boundary of a map (no chunk has two writers)."""
+    import math
+
+    from .geometry.boxes import balanced_bounds
+
+    out = []
+    for n, g in zip(spatial, grid):
+        starts = [lo for lo, _ in balanced_bounds(n, g)][1:]
+        common = math.gcd(*starts) if starts else n
+        out.append(max(d for d in range(1, min(common, max_chunk, n) + 1) if common % d == 0))
+    return tuple(out)
+
+
+def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Captured]:
+    """The captures written by the workers into a zarr group at ``path`` (a temporary sibling first)."""
+    import zarr
+
+    from .data import outputs
+    from .geometry.boxes import all_coords
+
+    tmp = outputs.begin_group(path)
+    root = zarr.open_group(tmp, mode="r+")
+    for name, calls in layout.items():
+        for key, (shape, dtype, sharded, has_grad) in zip(call_names(name, len(calls)), calls):
+            lead = len(shape) - len(plan.grid)
+            chunks = (1, *shape[1:lead], *_edges(shape[lead:], plan.grid, max_chunk)) if sharded else shape
+            for part in ("output", "grad") if has_grad else ("output",):
+                root.create_array(f"{key}/{part}", shape=shape, chunks=chunks, dtype=dtype)
+            root[key].attrs["sharded"] = sharded
+    try:
+        whole = net._wait(net._launch("capture_write", [(tmp, plan.grid, c) for c in all_coords(plan.grid)]),
+                          "writing the captures")
+        for key in whole[0]:
+            grads = [w[key] for w in whole if w[key] is not None]
+            if grads:
+                zarr.open_array(f"{tmp}/{key}/grad", mode="r+")[...] = sum(grads[1:], grads[0].clone()).numpy()
+    except BaseException:
+        if not net.world.broken:
+            outputs.abandon(tmp)
+        raise
+    outputs.finish(tmp, path)
+    group = zarr.open_group(path, mode="r")
+    return {key: Captured(group[f"{key}/output"], group[f"{key}/grad"] if "grad" in group[key] else None)
+            for key in group.group_keys()}
+
+
+def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, out=None, overwrite: bool = False,
+            max_chunk: int = 1024) -> dict[str, Captured]:
     """The driver mode's ``ParallelModel.capture`` (see the module doc)."""
+    from .data import outputs
+    from .data.sources import is_source_batch
+
     names = check_layers(net.planner.meta, layers)
     grads = _check_what(y, loss_fn, target)
     if grads and net.transport != "p2p":
@@ -72,6 +126,7 @@ def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None
     targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1]) if target is not None else None
     if loss_fn is not None:
         net.planner.check_loss(plan, x, y, loss_fn)
+    path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite) if out else None
     shards = net._shard_calls(plan, x)
     call = f"capture {shards[0].call}"
     net._wait(net._launch("capture_begin", [(names, grads)] * len(shards)), call)
@@ -82,6 +137,9 @@ def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None
             net._loss_on_driver(plan, shards, y, loss_fn, grad="input", gradients=True)
         else:
             net._wait(net._launch("capture_forward", [(s,) for s in shards]), call)
+        if path is not None:
+            layout = net._wait(net._launch("capture_layout", [()] * len(shards)), f"{call} (layout)")[0]
+            return _write(net, plan, layout, path, max_chunk)
     finally:
         if not net.world.broken:
             parts = net._wait(net._launch("capture_end", [()] * len(shards)), f"{call} (reading)")

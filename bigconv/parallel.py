@@ -204,12 +204,14 @@ class ParallelModel:
         return prediction.predict(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep, levels=levels,
                                   mpp=mpp, classes=classes)
 
-    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict:
+    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None, *, out=None,
+                overwrite: bool = False) -> dict:
         """For each module named in ``layers``: its output and, with ``target`` (a class) or ``y`` and
-        ``loss_fn``, the gradient reaching it, whole on the driver (``bigconv.capture``)."""
+        ``loss_fn``, the gradient reaching it, whole on the driver, or with ``out=`` written by the workers
+        into a zarr group (``bigconv.capture``)."""
         from . import capture
 
-        return capture.capture(self, layers, x, y, loss_fn, target)
+        return capture.capture(self, layers, x, y, loss_fn, target, out=out, overwrite=overwrite)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start every worker reading its boxes of the next call's sources (``x``, and ``y`` when they

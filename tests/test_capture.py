@@ -185,3 +185,25 @@ def test_a_module_backward_hook_is_refused_with_its_real_reason():
     from bigconv.planning import Planner
 
     Planner(model, (2, 2), 4, False)  # without the hook: accepted
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_captures_written_by_the_workers(world, tmp_path):
+    """Slide-sized captures: each worker writes its region of each map (a whole vector: worker 0, its
+    gradient summed on the driver) into a zarr group, moved into place when all are done."""
+    model = resnet()
+    x = torch.randn(2, 3, 96, 64, dtype=torch.float64)
+    net = bigconv.parallelize(model, world, grid=(2, 2)).eval()
+    layers = ["layer2", "layer1.0.relu", "avgpool", "fc"]
+    got = net.capture(layers, x, target=[1, 4], out=tmp_path / "caps.zarr")
+    want = capture_local(model, layers, x, target=[1, 4])
+    assert sorted(got) == sorted(want) and sorted(os.listdir(tmp_path)) == ["caps.zarr"]
+    for key in want:
+        close(torch.from_numpy(got[key].output[...]), want[key].output, f"written {key}")
+        close(torch.from_numpy(got[key].grad[...]), want[key].grad, f"written gradient of {key}")
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="was not written by bigconv"):
+        net.capture("layer2", x, out=tmp_path / "mine", overwrite=True)
+    again = net.capture("layer2", x, out=tmp_path / "caps.zarr", overwrite=True)  # its own: replaced
+    assert sorted(again) == ["layer2"] and again["layer2"].grad is None

@@ -119,6 +119,8 @@ class ModelPart:
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
         self.pyramid = None
         """The writer of a pyramid being written (``bigconv.data.pyramid.LevelWriter``)."""
+        self.recorder = None
+        """The hooks of a capture under way (``bigconv.engine.capture.Recorder``)."""
 
     @classmethod
     def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "ModelPart":
@@ -205,11 +207,42 @@ class ModelPart:
 
     def capture_end(self) -> dict | None:
         """Remove the hooks; what they recorded on this shard, per name and call."""
-        recorder, self.recorder = getattr(self, "recorder", None), None
+        recorder, self.recorder = self.recorder, None
         if recorder is None:
             return None
         recorder.close()
         return recorder.result()
+
+    def capture_layout(self) -> dict:
+        """Per name and call, what the driver needs to make the arrays ``capture_write`` fills: the
+        global shape, the dtype, whether it is sharded and whether a gradient reached it."""
+        return {name: [(p.value.shape[:p.value.dim() - len(p.shape)] + tuple(p.shape) if p.shape else
+                        tuple(p.value.shape), str(p.value.dtype).replace("torch.", ""), p.shape is not None,
+                        p.grad is not None) for p in pieces] for name, pieces in self.recorder.calls.items()}
+
+    def capture_write(self, root: str, grid, coord) -> dict:
+        """Write this shard's parts of the sharded captures into the group ``root`` (``KEY/output``,
+        ``KEY/grad``); worker 0 writes the whole tensors' values. Returns the gradients of the whole
+        tensors (the driver sums the copies'); the hooks end here."""
+        import zarr
+
+        from ..engine.capture import call_names
+        from ..geometry.boxes import shard_box
+
+        calls, whole_grads = self.recorder.calls, {}
+        self.capture_end()
+        for name, pieces in calls.items():
+            for key, p in zip(call_names(name, len(pieces)), pieces):
+                if p.shape is None:
+                    if self.rt.index == 0:
+                        zarr.open_array(f"{root}/{key}/output", mode="r+")[...] = p.value.cpu().numpy()
+                    whole_grads[key] = None if p.grad is None else p.grad.cpu()
+                    continue
+                index = box_index(shard_box(p.shape, tuple(grid), tuple(coord)), p.value.dim())
+                zarr.open_array(f"{root}/{key}/output", mode="r+")[index] = p.value.cpu().numpy()
+                if p.grad is not None:
+                    zarr.open_array(f"{root}/{key}/grad", mode="r+")[index] = p.grad.cpu().numpy()
+        return whole_grads
 
     def capture_forward(self, shard: ShardCall) -> None:
         """A forward without gradients whose output stays here (the hooks record what they need)."""
