@@ -115,3 +115,88 @@ def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep
             outputs.abandon(tmp)
         raise
     return outputs.finish(tmp, path)
+
+
+def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
+                 levels: int | None = None, mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
+    """``SpmdModel.predict`` for what the driver mode's ``predict`` writes beyond a plain float array:
+    every rank calls it; rank 0 checks ``out`` and makes the store, every rank writes its region of each
+    level (a collective after each, so a level is complete before the next reads it, and every rank
+    learns of a failure), rank 0 moves the result into place (and writes an OME-TIFF)."""
+    import torch.distributed as dist
+
+    from .geometry.boxes import box_index, coord_of
+    from .transport import WorkerFailure
+
+    kinds = pyramid.check_keep(keep)
+    plan = net.plan(x)
+    chunks, dtype = net.planner.prediction(plan, x, max_chunk)
+    fmt = output_format(out)
+    check_options(plan, x, fmt, kinds, levels, classes)
+    pixel, unit = pixel_size(plan, x, mpp)
+    channels = plan.out_full_shape[1]
+    spec = None if fmt == "zarr" else pyramid.spec_for(kinds, channels, dtype, plan.out_shape, plan.grid, levels,
+                                                        max_chunk, ome=True)
+    path = tmp = refused = None
+    if net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
+        try:
+            path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+            if fmt == "zarr":
+                shape = (plan.out_full_shape[0], pyramid.kept_channels(kinds[0], channels), *plan.out_shape)
+                tmp = outputs.begin(path, shape, chunks, pyramid.kept_dtype(kinds[0], dtype, channels))
+            else:
+                tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
+                pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
+        except (ValueError, OSError) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+    shared = [(path, tmp, refused)]
+    dist.broadcast_object_list(shared, src=0)
+    path, tmp, refused = shared[0]
+    if refused:
+        raise ValueError(f"predict refused on rank 0: {refused}")
+    coord = coord_of(net.mesh.shard, plan.grid)
+
+    def together(work, what: str) -> None:
+        failure = None
+        try:
+            work()
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        failures = [None] * net.world.size
+        dist.all_gather_object(failures, failure)  # every rank learns who failed, and why
+        bad = [(r, f) for r, f in enumerate(failures) if f]
+        if bad:
+            if net.world.rank == 0:
+                outputs.abandon(tmp)
+            raise WorkerFailure(f"predict ({what}) failed on rank {bad[0][0]}: {bad[0][1]}; {out!r} is as it was")
+
+    writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
+
+    def first() -> None:
+        from .engine import step as shard_step
+
+        result = shard_step.forward(net.engine, net._shard_call(plan, x), False)
+        if writer is not None:
+            writer.first(result)
+        else:
+            box = shard_box(plan.out_shape, plan.grid, coord)
+            outputs.write(tmp, box_index(box, result.dim(), net._items(x)),
+                          pyramid.convert(kinds[0], result, channels))
+
+    together(first, "level 0")
+    for k in range(1, spec.levels if spec is not None else 1):
+        together(lambda k=k: writer.next(k), f"level {k}")
+    if net.world.rank == 0:
+        final = tmp
+        if fmt == "ome.tif":
+            final = outputs.temporary(path)
+            try:
+                pyramid.write_ome_tiff(tmp, final, spec, pixel, unit)
+            except BaseException:
+                outputs.abandon(final)
+                outputs.abandon(tmp)
+                raise
+            outputs.abandon(tmp)
+        outputs.finish(final, path)
+    net.world.barrier()
+    return path
