@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING
 from .compat import allow_torchvision_without_ops
 
 if TYPE_CHECKING:
+    from .capture import gradcam
     from .ops.shards import UnsupportedOperation
     from .ops.whole import hold_whole
     from .parallel import ParallelModel, parallelize
     from .runtime.world import World
     from .transport import WorkerFailure
 
-__all__ = ["World", "parallelize", "ParallelModel", "UnsupportedOperation", "WorkerFailure", "hold_whole"]
+__all__ = ["World", "parallelize", "ParallelModel", "UnsupportedOperation", "WorkerFailure", "hold_whole", "gradcam"]
 __version__ = "0.1.0"
 SUBPACKAGES = ("data", "models", "losses", "saving", "spmd", "harness", "verify", "check", "memory", "geometry",
                "engine", "ops", "runtime", "transport")
@@ -48,6 +49,8 @@ def __getattr__(name: str):
         from .ops import whole as home
     elif name == "WorkerFailure":
         from . import transport as home
+    elif name == "gradcam":
+        from . import capture as home
     elif name in SUBPACKAGES:  # `import bigconv; bigconv.data.open_image(...)` as before the names were lazy
         return importlib.import_module(f"{__name__}.{name}")
     else:

@@ -139,3 +139,22 @@ def check_structured_target(x, y, loss_fn: Callable, outs) -> None:
 def check_optimizer_class(cls) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"optimizer expects a torch.optim.Optimizer class such as torch.optim.SGD, got {cls!r}")
+
+
+def check_no_backward_hooks(model: torch.nn.Module) -> None:
+    """Module backward hooks are refused with their real reason (they used to fail in the dry run on the
+    ``view_as`` torch's hook wrapper makes, with advice about flattening that did not apply)."""
+    from torch.nn.modules import module as torch_module
+
+    hooked = [name or type(model).__name__ for name, m in model.named_modules()
+              if m._backward_hooks or m._backward_pre_hooks]
+    if torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks:
+        hooked.append("every module (a global backward hook)")
+    if hooked:
+        raise ValueError(
+            f"module backward hooks are registered on {', '.join(hooked)}: on the workers each module runs on its "
+            "shard of the image, so such a hook could only see a shard's gradient, never the module's, and torch's "
+            "wrapper of the module's outputs (a view_as in an autograd Function) is not split by bigconv. Remove "
+            "the hook (handle.remove()) and ask for the gradient reaching the module whole: net.capture(['NAME'], "
+            "x, target=CLASS) or net.capture(['NAME'], x, y, loss_fn=...) (docs/capture.md); forward hooks run "
+            "per shard on the workers")

@@ -19,7 +19,7 @@ from . import losses, saving
 from .data.sources import ShardRead, is_source_batch
 from .engine.executor import join_shards
 from .engine.step import OutputGradients, PerShardLoss, ShardCall, StepCommand, shard_calls
-from .geometry.boxes import shard_box, all_coords, validate_grid
+from .geometry.boxes import validate_grid
 from .engine.plan import Plan
 from .planning import Planner
 from .runtime.model_part import TRANSPORTS, ModelPart, to_payload
@@ -184,31 +184,34 @@ class ParallelModel:
                              f"inference call {shards[0].call}")
         return self._assemble(plan, results, grad=False)
 
-    def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
-        """Write the dense output for ``x`` (a tensor, or a list of image sources) into a zarr array at
-        ``out``, each worker writing its own region; nothing the size of the output reaches the driver.
-        Chunks never cross shards (``bigconv.data.outputs``). Returns ``out``.
+    def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
+                levels: int | None = None, mpp: float | None = None, classes=None) -> str:
+        """Write the dense output for ``x`` (a tensor, or a list of image sources) at ``out``, each worker
+        writing its own region; nothing the size of the output reaches the driver. Returns ``out``.
+
+        ``out``: ``NAME.zarr`` (one array, chunks never crossing shards), ``NAME.ome.zarr`` (an OME-Zarr
+        pyramid of ``levels`` levels, each reduced by the workers; default: down to 512 px) or
+        ``NAME.ome.tif`` (the same as a pyramidal OME-TIFF). ``keep``: ``"float"``, ``"float16"``,
+        ``"probabilities"`` (uint8 softmax), ``"labels"`` (argmax; a label image) or, for OME, an image
+        kind and ``"labels"``. ``mpp``: the input's microns per pixel (default: the sources'); ``classes``:
+        the label image's class names. See ``bigconv.prediction`` and ``bigconv.data.pyramid``.
 
         ``out`` may not be, hold or lie inside an input; ``overwrite=True`` replaces only an output that
         bigconv wrote. The workers write into a temporary sibling that moves to ``out`` when all are done:
         a failed run leaves the old output as it was."""
-        from .data import outputs
+        from . import prediction
 
-        plan = self.plan(x)
-        chunks, dtype = self.planner.prediction(plan, x, max_chunk)
-        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-        shards = self._shard_calls(plan, x)
-        boxes = [shard_box(plan.out_shape, plan.grid, c) for c in all_coords(plan.grid)]
-        self.world.check_usable()
-        tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
-        try:
-            self._wait(self._launch("predict", [(s, tmp, box) for s, box in zip(shards, boxes)]),
-                       f"prediction {shards[0].call}")
-        except BaseException:
-            if not self.world.broken:  # a broken World's workers may still be writing: leave it, named
-                outputs.abandon(tmp)
-            raise
-        return outputs.finish(tmp, path)
+        return prediction.predict(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep, levels=levels,
+                                  mpp=mpp, classes=classes)
+
+    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None, *, out=None,
+                overwrite: bool = False) -> dict:
+        """For each module named in ``layers``: its output and, with ``target`` (a class) or ``y`` and
+        ``loss_fn``, the gradient reaching it, whole on the driver, or with ``out=`` written by the workers
+        into a zarr group (``bigconv.capture``)."""
+        from . import capture
+
+        return capture.capture(self, layers, x, y, loss_fn, target, out=out, overwrite=overwrite)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start every worker reading its boxes of the next call's sources (``x``, and ``y`` when they

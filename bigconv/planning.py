@@ -26,6 +26,7 @@ class Planner:
     def __init__(self, model: nn.Module, grid: tuple[int, ...] | None, spatial_workers: int,
                  check_finite: bool) -> None:
         """``grid``: validated already, or None to balance ``spatial_workers`` shards per input shape."""
+        input_checks.check_no_backward_hooks(model)
         self.grid = grid
         self.spatial_workers = spatial_workers
         self.spatial_dims = len(grid) if grid else conv_dims(model)

@@ -37,7 +37,7 @@ LAYERS = [
     ("op rules", ["bigconv.ops"]),
     ("engine", ["bigconv.engine"]),
     ("runtime", ["bigconv.runtime"]),
-    ("front ends", ["bigconv.parallel", "bigconv.planning", "bigconv.input_checks", "bigconv.spmd", "bigconv.halo_adjoint"]),
+    ("front ends", ["bigconv.parallel", "bigconv.prediction", "bigconv.capture", "bigconv.planning", "bigconv.input_checks", "bigconv.spmd", "bigconv.halo_adjoint"]),
     ("harness", ["bigconv.harness", "bigconv.verify", "bigconv.sabotage", "bigconv.check"]),
     ("multidsn", ["multidsn"]),
     ("plots", ["plots"]),
@@ -53,7 +53,7 @@ SUBLAYERS = {
     "bigconv.geometry": [["bigconv.geometry.boxes", "bigconv.geometry.index_maps"], ["bigconv.geometry"]],
     "bigconv.data": [
         ["bigconv.data.readers", "bigconv.data.views", "bigconv.data.synthetic", "bigconv.data.outputs"],
-        ["bigconv.data.sources"],
+        ["bigconv.data.sources", "bigconv.data.pyramid"],
         ["bigconv.data.dataset", "bigconv.data.prefetch"],
         ["bigconv.data"],
     ],
@@ -65,7 +65,7 @@ SUBLAYERS = {
     "bigconv.engine": [
         ["bigconv.engine.buckets", "bigconv.engine.executor", "bigconv.engine.plan"],
         ["bigconv.engine.checkpointing", "bigconv.engine.dry_run", "bigconv.engine.shard"],
-        ["bigconv.engine.step"],
+        ["bigconv.engine.step", "bigconv.engine.capture"],
         ["bigconv.engine"],
     ],
     "bigconv.runtime": [

@@ -47,7 +47,7 @@ def test_the_marked_blocks_exist():
     readme = [code for p, _, _, code, runnable in ALL if p.name == "README.md" and runnable]
     assert any("bigconv.World(workers=" in c for c in readme)
     assert any('World.from_env(mode="spmd")' in c for c in readme)
-    assert any("open_image(" in c for c in readme)
+    assert any("open_image(" in c and "train_step(" in c and ".ome.zarr" in c for c in readme)  # slide to pyramid
 
 
 @pytest.mark.parametrize("path,line,code", [pytest.param(p, line, code, id=f"{p.relative_to(ROOT)}:{line}")

@@ -51,16 +51,33 @@ def aligned_chunks(spatial: Sequence[int], grid: Sequence[int], max_chunk: int =
 
 
 def is_ours(path: str) -> bool:
-    """Whether ``path`` is a zarr array that bigconv wrote (its attributes carry ``MARK``)."""
+    """Whether ``path`` is a zarr array or group (an OME-Zarr) that bigconv wrote (its attributes carry
+    ``MARK``), or an OME-TIFF that bigconv wrote (its Software tag is ``TIFF_SOFTWARE``)."""
+    if os.path.isfile(path) and path.lower().endswith((".tif", ".tiff")):
+        return _tiff_is_ours(path)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "zarr.json")):
         return False
     import zarr
 
     try:
-        attrs = dict(zarr.open_array(path, mode="r").attrs)
-    except Exception:  # not an array, or not readable as one: not ours either way
+        attrs = dict(zarr.open(path, mode="r").attrs)
+    except Exception:  # not zarr, or not readable: not ours either way
         return False
     return isinstance(attrs.get(MARK_KEY), dict) and attrs[MARK_KEY].get("kind") == MARK["kind"]
+
+
+TIFF_SOFTWARE = "bigconv prediction"
+
+
+def _tiff_is_ours(path: str) -> bool:
+    try:
+        import tifffile
+
+        with tifffile.TiffFile(path) as tif:
+            tag = tif.pages[0].tags.get("Software")
+            return tag is not None and tag.value == TIFF_SOFTWARE
+    except Exception:
+        return False
 
 
 def check_out(out, inputs: Sequence[str], overwrite: bool) -> str:
@@ -98,16 +115,30 @@ def begin(out: str, shape: Sequence[int], spatial_chunks: Sequence[int], dtype: 
     sibling of ``out`` (checked by ``check_out``); the workers write into it."""
     import zarr
 
-    stale = stale_partials(out)
-    if stale:  # another run may still be writing one: name them, never delete what may be in use
-        warnings.warn(f"temporary outputs of earlier, interrupted predictions lie beside {out!r}: "
-                      f"{', '.join(stale)}; delete them once no prediction runs", stacklevel=3)
-    folder, name = os.path.split(out)
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
+    tmp = temporary(out)
     array = zarr.create_array(tmp, shape=tuple(shape), chunks=(1, shape[1], *spatial_chunks), dtype=dtype)
     array.attrs[MARK_KEY] = MARK
     return tmp
+
+
+def begin_group(out: str) -> str:
+    """An empty marked zarr group under a fresh temporary sibling of ``out`` (an OME-Zarr is filled in by
+    ``bigconv.data.pyramid.create``)."""
+    import zarr
+
+    tmp = temporary(out)
+    zarr.open_group(tmp, mode="w-").attrs[MARK_KEY] = MARK
+    return tmp
+
+
+def temporary(out: str) -> str:
+    stale = stale_partials(out)
+    if stale:  # another run may still be writing one: name them, never delete what may be in use
+        warnings.warn(f"temporary outputs of earlier, interrupted predictions lie beside {out!r}: "
+                      f"{', '.join(stale)}; delete them once no prediction runs", stacklevel=4)
+    folder, name = os.path.split(out)
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f".{name}{PARTIAL}{uuid.uuid4().hex[:12]}")
 
 
 def finish(tmp: str, out: str) -> str:
@@ -119,7 +150,7 @@ def finish(tmp: str, out: str) -> str:
         old = tmp + "-old"
         os.rename(out, old)
         os.rename(tmp, out)
-        shutil.rmtree(old)
+        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
     else:
         os.rename(tmp, out)
     return out
@@ -129,6 +160,8 @@ def abandon(tmp: str) -> None:
     """Remove the partial array of a failed prediction (bigconv wrote it, under a name of its own)."""
     if PARTIAL in os.path.basename(tmp) and os.path.isdir(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
+    elif PARTIAL in os.path.basename(tmp) and os.path.isfile(tmp):
+        os.unlink(tmp)
 
 
 def write(path: str, index: tuple, values) -> None:

@@ -117,6 +117,10 @@ class ModelPart:
         self.model = self.engine.model
         self.kept = None
         """The output of a forward whose backward the driver starts later (p2p, a loss on the driver)."""
+        self.pyramid = None
+        """The writer of a pyramid being written (``bigconv.data.pyramid.LevelWriter``)."""
+        self.recorder = None
+        """The hooks of a capture under way (``bigconv.engine.capture.Recorder``)."""
 
     @classmethod
     def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "ModelPart":
@@ -168,12 +172,134 @@ class ModelPart:
 
         return one(out) if isinstance(out, torch.Tensor) else [one(t) for t in pytree.tree_leaves(out)]
 
-    def predict(self, shard: ShardCall, path: str, box) -> None:
-        """Run this shard without gradients and write its output region into the zarr array at ``path``."""
-        from ..data import outputs
+    def predict(self, shard: ShardCall, path: str, box, keep: str = "float") -> None:
+        """Run this shard without gradients and write its output region, as ``keep`` says
+        (``bigconv.data.pyramid.convert``), into the zarr array at ``path``."""
+        from ..data import outputs, pyramid
 
         out = self.forward(shard, grad=False)
-        outputs.write(path, box_index(box, out.dim()), out.numpy())
+        outputs.write(path, box_index(box, out.dim()), pyramid.convert(keep, out, out.shape[1]))
+
+    def predict_pyramid(self, shard: ShardCall, root: str, spec, coord) -> None:
+        """Level 0 of an OME-Zarr pyramid: this shard's region; kept here for ``pyramid_level``."""
+        from ..data import pyramid
+
+        self.pyramid = None
+        writer = pyramid.LevelWriter(spec, root, coord)
+        writer.first(self.forward(shard, grad=False))
+        self.pyramid = writer
+
+    def pyramid_level(self, level: int) -> None:
+        """Level ``level`` of the pyramid ``predict_pyramid`` began, from this worker's region above."""
+        if self.pyramid is None:
+            raise RuntimeError("no pyramid is being written here (an earlier call failed); predict again")
+        self.pyramid.next(level)
+        if level == self.pyramid.spec.levels - 1:
+            self.pyramid = None
+
+    # -- captures of named modules (bigconv.capture) ----------------------------------------------------
+    def capture_begin(self, names: list, grads: bool) -> None:
+        """Hook the modules ``names`` until ``capture_end`` (``bigconv.engine.capture.Recorder``)."""
+        from ..engine.capture import Recorder
+
+        self.capture_end()
+        self.recorder = Recorder(self.model, names, grads)
+
+    def capture_end(self) -> dict | None:
+        """Remove the hooks; what they recorded on this shard, per name and call."""
+        recorder, self.recorder = self.recorder, None
+        if recorder is None:
+            return None
+        recorder.close()
+        return recorder.result()
+
+    def capture_layout(self) -> dict:
+        """Per name and call, what the driver needs to make the arrays ``capture_write`` fills: the
+        global shape, the dtype, whether it is sharded and whether a gradient reached it."""
+        return {name: [(p.value.shape[:p.value.dim() - len(p.shape)] + tuple(p.shape) if p.shape else
+                        tuple(p.value.shape), str(p.value.dtype).replace("torch.", ""), p.shape is not None,
+                        p.grad is not None) for p in pieces] for name, pieces in self.recorder.calls.items()}
+
+    def capture_write(self, root: str, grid, coord) -> dict:
+        """Write this shard's parts of the sharded captures into the group ``root`` (``KEY/output``,
+        ``KEY/grad``); worker 0 writes the whole tensors' values. Returns the gradients of the whole
+        tensors (the driver sums the copies'); the hooks end here."""
+        import zarr
+
+        from ..engine.capture import call_names
+        from ..geometry.boxes import shard_box
+
+        calls, whole_grads = self.recorder.calls, {}
+        self.capture_end()
+        for name, pieces in calls.items():
+            for key, p in zip(call_names(name, len(pieces)), pieces):
+                if p.shape is None:
+                    if self.rt.index == 0:
+                        zarr.open_array(f"{root}/{key}/output", mode="r+")[...] = p.value.cpu().numpy()
+                    whole_grads[key] = None if p.grad is None else p.grad.cpu()
+                    continue
+                index = box_index(shard_box(p.shape, tuple(grid), tuple(coord)), p.value.dim())
+                zarr.open_array(f"{root}/{key}/output", mode="r+")[index] = p.value.cpu().numpy()
+                if p.grad is not None:
+                    zarr.open_array(f"{root}/{key}/grad", mode="r+")[index] = p.grad.cpu().numpy()
+        return whole_grads
+
+    def capture_forward(self, shard: ShardCall) -> None:
+        """A forward without gradients whose output stays here (the hooks record what they need)."""
+        self.forward(shard, grad=False)
+
+    def capture_score(self, shard: ShardCall, target) -> None:
+        """Forward and backward of an output score (``engine.capture.score_gradient``), built on this
+        shard: no gradients summed into the weights, no step."""
+        from ..engine.capture import score_gradient
+
+        out = self._forward(shard, "input")
+        cmd = StepCommand(shard, OutputGradients(score_gradient(out, target, self.rt.index == 0)), grad="input",
+                          gradients=True)
+        try:
+            step.run(self.engine, cmd, out)
+        except Exception as exc:
+            raise self._located(exc) from exc
+
+    def gradcam_sums(self, name: str) -> torch.Tensor:
+        """This shard's per-channel sums of the gradient reaching ``name`` (captured by ``capture_score``)."""
+        from ..engine.capture import channel_sums
+
+        return channel_sums(self.recorder.calls[name][0])
+
+    def gradcam_map(self, name: str, weights, grid, call: int, size, region) -> torch.Tensor | None:
+        """This shard's part of the Grad-CAM map on the input grid; the hooks end here. With ``region``
+        (path, box index), written into the zarr array there instead of sent back."""
+        from ..engine.capture import cam_map
+
+        piece = self.recorder.calls[name][0]
+        self.capture_end()
+        try:
+            up = cam_map(self.engine, tuple(grid), call, piece, weights, tuple(size))
+        except Exception as exc:
+            raise self._located(exc) from exc
+        return self._region(up, region)
+
+    def saliency_map(self, region) -> torch.Tensor | None:
+        """max over channels of |d score / d input| on this shard (after ``capture_score``)."""
+        self.capture_end()
+        x = self.engine.last_input
+        g = x.grad if x is not None and x.grad is not None else torch.zeros_like(x)
+        return self._region(g.detach().abs().amax(1, keepdim=True).cpu(), region)
+
+    def _region(self, t: torch.Tensor, region):
+        """``t`` itself (``region`` None), or None after writing it: ``("zarr", path, index)`` into an array,
+        ``("ome", root, spec, coord)`` as level 0 of a pyramid whose next levels ``pyramid_level`` writes."""
+        if region is None:
+            return t
+        from ..data import outputs, pyramid
+
+        if region[0] == "zarr":
+            outputs.write(region[1], region[2], t.numpy())
+        else:
+            self.pyramid = pyramid.LevelWriter(region[2], region[1], region[3])
+            self.pyramid.first(t)
+        return None
 
     def make_optimizer(self, cls, kwargs: dict) -> None:
         self.engine.make_optimizer(cls, kwargs)

@@ -153,10 +153,17 @@ class SpmdModel:
                              else gather_heads(self.engine, t).cpu()
                              for t, (shape, _) in zip(output_leaves(out), plan.leaf_shapes())])
 
-    def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
+    def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
+                levels: int | None = None, mpp: float | None = None, classes=None) -> str:
         """Each rank writes its own output region into the zarr array at ``out`` (see the driver mode's:
-        the same refusals, the same temporary sibling moved into place once every rank is done)."""
+        the same refusals, the same temporary sibling moved into place once every rank is done; ``keep``,
+        ``.ome.zarr`` and ``.ome.tif`` as there: ``bigconv.prediction.predict_spmd``)."""
+        from .. import prediction
         from ..data import outputs
+
+        if keep != "float" or levels is not None or prediction.output_format(out) != "zarr":
+            return prediction.predict_spmd(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep,
+                                           levels=levels, mpp=mpp, classes=classes)
 
         plan = self.plan(x)
         chunks, dtype = self.planner.prediction(plan, x, max_chunk)
@@ -193,6 +200,12 @@ class SpmdModel:
             outputs.finish(tmp, path)
         self.world.barrier()
         return path
+
+    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict:
+        """The driver mode's ``capture``, on every rank (``bigconv.capture``; replicas=1)."""
+        from .. import capture
+
+        return capture.capture_spmd(self, layers, x, y, loss_fn, target)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start reading this rank's boxes of the next call's sources (``x``, and ``y`` when they are

@@ -1,0 +1,309 @@
+"""``net.capture``: the outputs of named modules and the gradients reaching them, whole on the driver.
+
+    got = net.capture(["layer4", "fc"], x, target=3)          # the gradient of class 3's score
+    got["layer4"].output, got["layer4"].grad                  # as one process would have them
+    got = net.capture(["layer4"], x, y, loss_fn=nn.CrossEntropyLoss())   # the gradient of the loss
+
+Each worker hooks the named modules of its copy of the model (``bigconv.engine.capture``), runs its
+shard, and sends back its part; the driver joins the parts of a sharded map and takes a tensor every
+shard holds whole (a head's vector) from worker 0, with its gradient summed over the copies. Nothing
+changes in the model: no gradient is left on a weight, no optimizer steps. ``capture_local`` is the same
+on one process, with plain hooks: the reference the tests compare with.
+
+With ``out=`` (driver mode) the workers write their regions into a zarr group instead, for captures
+the size of a slide (``_write``).
+
+Gradients: of an output score (``target``: a class index, or one per image: the sum of that logit over
+the map for a dense output) built on each shard, one message per worker; or of a loss
+(``y`` and ``loss_fn``) taken on the gathered output by the driver, two messages, as ``net.gradients``
+does. Either needs the ``p2p`` transport.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from .engine.capture import Captured, Recorder, call_names, join, score_gradient
+
+__all__ = ["Captured", "capture", "capture_local", "gradcam", "gradcam_local"]
+
+
+def check_layers(model: nn.Module, layers) -> list[str]:
+    names = [layers] if isinstance(layers, str) else list(layers) if isinstance(layers, (list, tuple)) else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"layers must be a module name or a list of them (names of model.named_modules()), "
+                         f"got {layers!r}")
+    known = dict(model.named_modules())
+    missing = [n for n in names if n not in known or n == ""]
+    if missing:
+        some = ", ".join(list(n for n in known if n)[:8])
+        raise ValueError(f"no module named {', '.join(map(repr, missing))} in the model; names are those of "
+                         f"model.named_modules(), e.g. {some}")
+    return list(dict.fromkeys(names))
+
+
+def check_targets(target, batch: int, classes: int) -> list[int]:
+    """``target`` as one class index per image, each in [0, classes)."""
+    items = [target] * batch if isinstance(target, int) and not isinstance(target, bool) else \
+        [int(t) for t in target] if isinstance(target, (list, tuple, torch.Tensor)) else None
+    if items is None or len(items) != batch or any(not 0 <= t < classes for t in items):
+        raise ValueError(f"target must be a class index in [0, {classes}) or one per image ({batch}), got {target!r}")
+    return items
+
+
+def _check_what(y, loss_fn, target) -> bool:
+    if target is not None and (y is not None or loss_fn is not None):
+        raise ValueError("give target= (the gradient of an output score) or y= and loss_fn= (of a loss), not both")
+    if (y is None) != (loss_fn is None):
+        raise ValueError("the gradient of a loss needs both y= and loss_fn=")
+    return target is not None or loss_fn is not None
+
+
+def _edges(spatial: Sequence[int], grid: Sequence[int], max_chunk: int) -> tuple[int, ...]:
+    """Chunk edges dividing every shard boundary of a map (no chunk has two writers)."""
+    import math
+
+    from .geometry.boxes import balanced_bounds
+
+    out = []
+    for n, g in zip(spatial, grid):
+        starts = [lo for lo, _ in balanced_bounds(n, g)][1:]
+        common = math.gcd(*starts) if starts else n
+        out.append(max(d for d in range(1, min(common, max_chunk, n) + 1) if common % d == 0))
+    return tuple(out)
+
+
+def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Captured]:
+    """The captures written by the workers into a zarr group at ``path`` (a temporary sibling first)."""
+    import zarr
+
+    from .data import outputs
+    from .geometry.boxes import all_coords
+
+    tmp = outputs.begin_group(path)
+    root = zarr.open_group(tmp, mode="r+")
+    for name, calls in layout.items():
+        for key, (shape, dtype, sharded, has_grad) in zip(call_names(name, len(calls)), calls):
+            lead = len(shape) - len(plan.grid)
+            chunks = (1, *shape[1:lead], *_edges(shape[lead:], plan.grid, max_chunk)) if sharded else shape
+            for part in ("output", "grad") if has_grad else ("output",):
+                root.create_array(f"{key}/{part}", shape=shape, chunks=chunks, dtype=dtype)
+            root[key].attrs["sharded"] = sharded
+    try:
+        whole = net._wait(net._launch("capture_write", [(tmp, plan.grid, c) for c in all_coords(plan.grid)]),
+                          "writing the captures")
+        for key in whole[0]:
+            grads = [w[key] for w in whole if w[key] is not None]
+            if grads:
+                zarr.open_array(f"{tmp}/{key}/grad", mode="r+")[...] = sum(grads[1:], grads[0].clone()).numpy()
+    except BaseException:
+        if not net.world.broken:
+            outputs.abandon(tmp)
+        raise
+    outputs.finish(tmp, path)
+    group = zarr.open_group(path, mode="r")
+    return {key: Captured(group[f"{key}/output"], group[f"{key}/grad"] if "grad" in group[key] else None)
+            for key in group.group_keys()}
+
+
+def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, out=None, overwrite: bool = False,
+            max_chunk: int = 1024) -> dict[str, Captured]:
+    """The driver mode's ``ParallelModel.capture`` (see the module doc)."""
+    from .data import outputs
+    from .data.sources import is_source_batch
+
+    names = check_layers(net.planner.meta, layers)
+    grads = _check_what(y, loss_fn, target)
+    if grads and net.transport != "p2p":
+        raise ValueError("capture with gradients runs on the p2p transport; parallelize(..., transport='p2p')")
+    plan = net.plan(x)
+    if plan.several and target is not None:
+        raise ValueError("target= scores a model with one output tensor; use y= and loss_fn= for several outputs")
+    targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1]) if target is not None else None
+    if loss_fn is not None:
+        net.planner.check_loss(plan, x, y, loss_fn)
+    path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite) if out else None
+    shards = net._shard_calls(plan, x)
+    call = f"capture {shards[0].call}"
+    net._wait(net._launch("capture_begin", [(names, grads)] * len(shards)), call)
+    try:
+        if targets is not None:
+            net._wait(net._launch("capture_score", [(s, targets) for s in shards]), call)
+        elif loss_fn is not None:
+            net._loss_on_driver(plan, shards, y, loss_fn, grad="input", gradients=True)
+        else:
+            net._wait(net._launch("capture_forward", [(s,) for s in shards]), call)
+        if path is not None:
+            layout = net._wait(net._launch("capture_layout", [()] * len(shards)), f"{call} (layout)")[0]
+            return _write(net, plan, layout, path, max_chunk)
+    finally:
+        if not net.world.broken:
+            parts = net._wait(net._launch("capture_end", [()] * len(shards)), f"{call} (reading)")
+    return join(parts, plan.grid)
+
+
+def capture_local(model: nn.Module, layers, x: torch.Tensor, y=None, loss_fn: Callable | None = None,
+                  target=None) -> dict[str, Captured]:
+    """``capture`` on one process, with plain forward hooks: the reference. Leaves no gradient on the
+    model's weights."""
+    names = check_layers(model, layers)
+    grads = _check_what(y, loss_fn, target)
+    recorder = Recorder(model, names, grads)
+    try:
+        with torch.set_grad_enabled(grads):
+            out = model(x)
+            if target is not None:
+                g = score_gradient(out, check_targets(target, out.shape[0], out.shape[1]), True)
+                out.backward(g)
+            elif loss_fn is not None:
+                loss_fn(out, y).backward()
+    finally:
+        recorder.close()
+        model.zero_grad(set_to_none=True)
+    return {key: Captured(p.value, p.grad) for name, pieces in recorder.calls.items()
+            for key, p in zip(call_names(name, len(pieces)), pieces)}
+
+
+def names_of(model: nn.Module) -> Sequence[str]:
+    return [n for n, _ in model.named_modules() if n]
+
+
+METHODS = ("gradcam", "saliency")
+
+
+def gradcam(net, x, layer: str | None = None, target=None, *, method: str = "gradcam", out=None,
+            overwrite: bool = False, levels: int | None = None, mpp: float | None = None,
+            max_chunk: int = 1024):
+    """Grad-CAM of ``target`` (a class, or one per image) at ``layer``, on the input's grid: ReLU of the
+    layer's channels weighted by the mean gradient of the target's score over each channel, upsampled
+    (bilinear) by the workers; or, with ``method="saliency"``, the input-gradient saliency (the largest
+    |d score / d input| over the input's channels). (N, 1, *input spatial) float, whole on the driver,
+    or, with ``out=``, written by the workers: ``NAME.zarr`` (one array) or ``NAME.ome.zarr`` (a
+    pyramid, as ``predict`` writes one; ``levels``, ``mpp`` as there). Exact against ``gradcam_local``."""
+    from .data import outputs, pyramid
+    from .data.sources import is_source_batch
+    from .engine.executor import join_shards
+    from .geometry.boxes import all_coords, box_index, shard_box
+    from .prediction import output_format, pixel_size
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "gradcam":
+        if not isinstance(layer, str):
+            raise ValueError("Grad-CAM needs layer= the name of one module (e.g. 'layer4' of a ResNet)")
+        check_layers(net.planner.meta, layer)
+    if net.transport != "p2p":
+        raise ValueError(f"{method} runs on the p2p transport; parallelize(..., transport='p2p')")
+    plan = net.plan(x)
+    if plan.several:
+        raise ValueError(f"{method} scores a model with one output tensor")
+    targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1])
+    shards = net._shard_calls(plan, x)
+    coords = list(all_coords(plan.grid))
+    batch, spatial = plan.out_full_shape[0], tuple(plan.in_shape)
+    dtype = str(x.dtype if isinstance(x, torch.Tensor) else torch.float32).replace("torch.", "")
+    regions: list = [None] * len(shards)
+    tmp = path = None
+    if out is not None:
+        fmt = output_format(out)
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+        if fmt == "zarr":
+            tmp = outputs.begin(path, (batch, 1, *spatial), outputs.aligned_chunks(spatial, plan.grid, max_chunk), dtype)
+            regions = [("zarr", tmp, box_index(shard_box(spatial, plan.grid, c), len(spatial) + 2)) for c in coords]
+        elif fmt == "ome.zarr" and batch == 1:
+            pixel, unit = pixel_size(SimpleNamespace(in_shape=spatial, out_shape=spatial), x, mpp)  # the input's grid
+            spec = pyramid.spec_for(("float",), 1, dtype, spatial, plan.grid, levels, max_chunk, ome=True)
+            tmp = outputs.begin_group(path)
+            pyramid.create(tmp, spec, pixel, unit, None, f"{method} of class {targets[0]}")
+            regions = [("ome", tmp, spec, c) for c in coords]
+        else:
+            raise ValueError(f"{method} writes a .zarr, or an .ome.zarr of one image; got out={out!r} for a batch of "
+                             f"{batch}")
+    call = f"{method} {shards[0].call}"
+    names = [layer] if method == "gradcam" else []
+    try:
+        net._wait(net._launch("capture_begin", [(names, True)] * len(shards)), call)
+        net._wait(net._launch("capture_score", [(s, targets) for s in shards]), call)
+        if method == "gradcam":
+            sums = net._wait(net._launch("gradcam_sums", [(layer,)] * len(shards)), call)
+            shape = sums[0][1]
+            weights = sum(s for s, _ in sums[1:]) + sums[0][0]
+            weights = weights / float(torch.tensor(shape).prod())
+            step = next(net._calls)
+            maps = net._wait(net._launch("gradcam_map", [(layer, weights, plan.grid, step, spatial, r)
+                                                         for r in regions]), call)
+        else:
+            maps = net._wait(net._launch("saliency_map", [(r,) for r in regions]), call)
+        if regions[0] is not None and regions[0][0] == "ome":
+            for k in range(1, regions[0][2].levels):
+                net._wait(net._launch("pyramid_level", [(k,)] * len(shards)), f"{call} (level {k})")
+    except BaseException:
+        if not net.world.broken:
+            try:
+                net._wait(net._launch("capture_end", [()] * len(shards)), f"{call} (clearing its hooks)")
+            except Exception:  # the first error is the one to report
+                pass
+            if tmp is not None:
+                outputs.abandon(tmp)
+        raise
+    if out is None:
+        return join_shards(maps, plan.grid)
+    return outputs.finish(tmp, path)
+
+
+def gradcam_local(model: nn.Module, x: torch.Tensor, layer: str | None = None, target=None, *,
+                  method: str = "gradcam") -> torch.Tensor:
+    """``gradcam`` on one process (plain hooks, ``F.interpolate``): the reference."""
+    if method == "saliency":
+        x = x.detach().clone().requires_grad_(True)
+        out = model(x)
+        out.backward(score_gradient(out, check_targets(target, out.shape[0], out.shape[1]), True))
+        model.zero_grad(set_to_none=True)
+        return x.grad.abs().amax(1, keepdim=True)
+    got = capture_local(model, layer, x, target=target)[layer]
+    a, g = got.output, got.grad
+    weights = g.double().flatten(2).mean(2).to(a.dtype)
+    cam = torch.relu((a * weights.reshape(*weights.shape, *[1] * (a.dim() - 2))).sum(1, keepdim=True))
+    mode = "bilinear" if a.dim() == 4 else "trilinear"
+    return torch.nn.functional.interpolate(cam, size=tuple(x.shape[2:]), mode=mode, align_corners=False)
+
+
+def capture_spmd(net, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict[str, Captured]:
+    """``SpmdModel.capture``: every rank calls it with the same arguments and gets the whole captures;
+    each rank hooks its own shard, and the parts are gathered on every rank (one collective)."""
+    import torch.distributed as dist
+
+    from .engine import step as shard_step
+    from .engine.step import OutputGradients, StepCommand
+
+    names = check_layers(net.planner.meta, layers)
+    grads = _check_what(y, loss_fn, target)
+    if net.replicas != 1:
+        raise ValueError("capture on an SPMD world needs replicas=1 (one copy of the grid over the whole batch)")
+    plan = net.plan(x, loss_fn)
+    if plan.several and target is not None:
+        raise ValueError("target= scores a model with one output tensor; use y= and loss_fn= for several outputs")
+    targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1]) if target is not None else None
+    if loss_fn is not None:
+        net.planner.check_loss(plan, x, y, loss_fn)
+    engine = net.engine
+    recorder = Recorder(engine.model, names, grads)
+    try:
+        if targets is not None:
+            shard = net._shard_call(plan, x)
+            out = shard_step.forward(engine, shard, "input")
+            gradient = score_gradient(out, targets, net.mesh.shard == 0)
+            shard_step.run(engine, StepCommand(shard, OutputGradients(gradient), grad="input", gradients=True), out)
+        elif loss_fn is not None:
+            shard_step.run(engine, net._command(plan, x, y, loss_fn, grad="input", gradients=True))
+        else:
+            shard_step.forward(engine, net._shard_call(plan, x), False)
+    finally:
+        recorder.close()
+    parts: list = [None] * net.world.size
+    dist.all_gather_object(parts, recorder.result())
+    return join(parts, plan.grid)

@@ -1,0 +1,202 @@
+"""``predict`` of the driver mode: the workers write a prediction where they compute it.
+
+Three formats, by the name of ``out``:
+
+- ``NAME.zarr``: one zarr array (N, C, *spatial) of what ``keep`` says, each worker writing its region;
+- ``NAME.ome.zarr``: an OME-Zarr pyramid (NGFF 0.5) of one image, every level written by the workers,
+  each reducing its own region (``bigconv.data.pyramid``); class maps are label images;
+- ``NAME.ome.tif``: the same pyramid as a tiled, pyramidal OME-TIFF (tifffile), written by the driver
+  tile by tile from the OME-Zarr the workers wrote (one tile in memory at a time; a TIFF has one writer).
+
+Whatever the format, nothing the user had is lost (``bigconv.data.outputs``): the output is refused
+before any remote work when it is, holds or lies inside an input or exists without bigconv's mark, and
+it is written under a temporary sibling moved into place when every worker is done.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from .data import outputs, pyramid
+from .data.sources import is_source_batch
+from .geometry.boxes import all_coords, shard_box
+
+OME_ZARR = (".ome.zarr",)
+OME_TIFF = (".ome.tif", ".ome.tiff")
+
+
+def output_format(out: str) -> str:
+    name = os.path.basename(os.fspath(out)).lower()
+    if name.endswith(OME_ZARR):
+        return "ome.zarr"
+    if name.endswith(OME_TIFF):
+        return "ome.tif"
+    return "zarr"
+
+
+def pixel_size(plan, x, mpp) -> tuple[list[float], bool]:
+    """The output's pixel size per spatial axis in micrometres (and True), from ``mpp`` (the input's, a
+    number) or the sources' own; else 1 input pixel (and False: no unit)."""
+    if mpp is None and is_source_batch(x):
+        known = {s.mpp for s in x}
+        mpp = known.pop() if len(known) == 1 else None
+    if mpp is not None and (isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not mpp > 0):
+        raise ValueError(f"mpp must be a positive number of microns per input pixel, got {mpp!r}")
+    stride = [i / o for i, o in zip(plan.in_shape, plan.out_shape)]
+    return [float(mpp if mpp is not None else 1.0) * s for s in stride], mpp is not None
+
+
+def check_options(plan, x, fmt: str, kinds: tuple[str, ...], levels, classes) -> None:
+    channels = plan.out_full_shape[1]
+    if fmt == "zarr" and len(kinds) > 1:
+        raise ValueError(f"keep={kinds!r}: a plain .zarr holds one array; write an .ome.zarr for an image with "
+                         "its label image, or predict twice")
+    if fmt != "zarr" and plan.out_full_shape[0] != 1:
+        raise ValueError(f"an OME-Zarr or OME-TIFF holds one image, but this batch has {plan.out_full_shape[0]}; "
+                         "predict one slide per call (for s in slides: net.predict([s], out=...))")
+    if fmt == "ome.tif" and (len(kinds) > 1 or len(plan.out_shape) != 2):
+        raise ValueError("an OME-TIFF prediction holds one kind of a 2D output; write an .ome.zarr for labels beside "
+                         "an image, or for a 3D output")
+    if fmt == "ome.tif" and "float16" in kinds:
+        raise ValueError("OME-TIFF has no float16 pixel type; keep 'float', 'probabilities' or 'labels' in an "
+                         ".ome.tif, or write float16 to an .ome.zarr")
+    if fmt == "zarr" and levels not in (None, 1):
+        raise ValueError(f"levels={levels!r} needs an .ome.zarr or .ome.tif out=; a plain .zarr holds one level")
+    if classes is not None and (not isinstance(classes, (list, tuple)) or len(classes) != channels):
+        raise ValueError(f"classes must name each of the output's {channels} channels, got {classes!r}")
+    if "labels" in kinds and channels < 2:
+        raise ValueError("keep='labels' takes the argmax over the channels, but this output has one channel; "
+                         "keep 'probabilities' (a sigmoid) instead")
+
+
+def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float", levels: int | None = None,
+            mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
+    """``ParallelModel.predict`` (see its doc)."""
+    kinds = pyramid.check_keep(keep)
+    plan = net.plan(x)
+    chunks, dtype = net.planner.prediction(plan, x, max_chunk)
+    fmt = output_format(out)
+    check_options(plan, x, fmt, kinds, levels, classes)
+    pixel, unit = pixel_size(plan, x, mpp)
+    path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+    shards = net._shard_calls(plan, x)
+    coords = list(all_coords(plan.grid))
+    channels = plan.out_full_shape[1]
+    spec = None
+    if fmt != "zarr":
+        spec = pyramid.spec_for(kinds, channels, dtype, plan.out_shape, plan.grid, levels, max_chunk, ome=True)
+    net.world.check_usable()
+    if fmt == "zarr":
+        kind = kinds[0]
+        shape = (plan.out_full_shape[0], pyramid.kept_channels(kind, channels), *plan.out_shape)
+        tmp = outputs.begin(path, shape, chunks, pyramid.kept_dtype(kind, dtype, channels))
+        boxes = [shard_box(plan.out_shape, plan.grid, c) for c in coords]
+        work = [("predict", [(s, tmp, box, kind) for s, box in zip(shards, boxes)])]
+    else:
+        tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
+        pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
+        work = [("predict_pyramid", [(s, tmp, spec, c) for s, c in zip(shards, coords)])]
+        work += [("pyramid_level", [(k,)] * len(shards)) for k in range(1, spec.levels)]
+    try:
+        for method, args in work:
+            net._wait(net._launch(method, args), f"prediction {shards[0].call} ({method})")
+        if fmt == "ome.tif":
+            tif = outputs.temporary(path)
+            try:
+                pyramid.write_ome_tiff(tmp, tif, spec, pixel, unit)
+            except BaseException:
+                outputs.abandon(tif)
+                raise
+            outputs.abandon(tmp)
+            tmp = tif
+    except BaseException:
+        if not net.world.broken:  # a broken World's workers may still be writing: leave it, named
+            outputs.abandon(tmp)
+        raise
+    return outputs.finish(tmp, path)
+
+
+def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
+                 levels: int | None = None, mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
+    """``SpmdModel.predict`` for what the driver mode's ``predict`` writes beyond a plain float array:
+    every rank calls it; rank 0 checks ``out`` and makes the store, every rank writes its region of each
+    level (a collective after each, so a level is complete before the next reads it, and every rank
+    learns of a failure), rank 0 moves the result into place (and writes an OME-TIFF)."""
+    import torch.distributed as dist
+
+    from .geometry.boxes import box_index, coord_of
+    from .transport import WorkerFailure
+
+    kinds = pyramid.check_keep(keep)
+    plan = net.plan(x)
+    chunks, dtype = net.planner.prediction(plan, x, max_chunk)
+    fmt = output_format(out)
+    check_options(plan, x, fmt, kinds, levels, classes)
+    pixel, unit = pixel_size(plan, x, mpp)
+    channels = plan.out_full_shape[1]
+    spec = None if fmt == "zarr" else pyramid.spec_for(kinds, channels, dtype, plan.out_shape, plan.grid, levels,
+                                                        max_chunk, ome=True)
+    path = tmp = refused = None
+    if net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
+        try:
+            path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+            if fmt == "zarr":
+                shape = (plan.out_full_shape[0], pyramid.kept_channels(kinds[0], channels), *plan.out_shape)
+                tmp = outputs.begin(path, shape, chunks, pyramid.kept_dtype(kinds[0], dtype, channels))
+            else:
+                tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
+                pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
+        except (ValueError, OSError) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+    shared = [(path, tmp, refused)]
+    dist.broadcast_object_list(shared, src=0)
+    path, tmp, refused = shared[0]
+    if refused:
+        raise ValueError(f"predict refused on rank 0: {refused}")
+    coord = coord_of(net.mesh.shard, plan.grid)
+
+    def together(work, what: str) -> None:
+        failure = None
+        try:
+            work()
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        failures = [None] * net.world.size
+        dist.all_gather_object(failures, failure)  # every rank learns who failed, and why
+        bad = [(r, f) for r, f in enumerate(failures) if f]
+        if bad:
+            if net.world.rank == 0:
+                outputs.abandon(tmp)
+            raise WorkerFailure(f"predict ({what}) failed on rank {bad[0][0]}: {bad[0][1]}; {out!r} is as it was")
+
+    writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
+
+    def first() -> None:
+        from .engine import step as shard_step
+
+        result = shard_step.forward(net.engine, net._shard_call(plan, x), False)
+        if writer is not None:
+            writer.first(result)
+        else:
+            box = shard_box(plan.out_shape, plan.grid, coord)
+            outputs.write(tmp, box_index(box, result.dim(), net._items(x)),
+                          pyramid.convert(kinds[0], result, channels))
+
+    together(first, "level 0")
+    for k in range(1, spec.levels if spec is not None else 1):
+        together(lambda k=k: writer.next(k), f"level {k}")
+    if net.world.rank == 0:
+        final = tmp
+        if fmt == "ome.tif":
+            final = outputs.temporary(path)
+            try:
+                pyramid.write_ome_tiff(tmp, final, spec, pixel, unit)
+            except BaseException:
+                outputs.abandon(final)
+                outputs.abandon(tmp)
+                raise
+            outputs.abandon(tmp)
+        outputs.finish(final, path)
+    net.world.barrier()
+    return path
