@@ -48,7 +48,7 @@ class RunOptions:
     """Steps between two history entries (and log lines)."""
     collapse_ratio: float = 0.01
     """Private codes count as collapsed below this fraction of the shared codes' norm."""
-    out: str = "results/multidsn_paper.jsonl"
+    out: str = "runs/multidsn_paper.jsonl"
     """The JSON-lines file the records are appended to, and read to skip what is done."""
     command: str = ""
     """The command line, recorded with every line."""
