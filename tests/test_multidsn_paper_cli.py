@@ -74,3 +74,29 @@ def test_a_fresh_run_trains_into_runs_and_a_rerun_resumes(tmp_path, monkeypatch)
     out.write_text(out.read_text().splitlines()[0] + "\n")  # as if stopped after the first model
     train.main(argv)
     assert sorted(json.loads(line)["method"] for line in out.read_text().splitlines()) == ["dann", "source_only"]
+
+
+def test_intervals_match_student_t_and_pair_by_seed():
+    from multidsn.intervals import interval, paired
+
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for n in (2, 3, 5, 12, 30):
+        assert interval([0.0] * (n - 1) + [1.0]).half == pytest.approx(
+            scipy_stats.t.ppf(0.975, n - 1) * ((1 / n - 1 / n**2) * n / (n - 1)) ** 0.5 / n**0.5, rel=1e-3)
+    d = paired({0: 0.9, 1: 0.8, 2: 0.7}, {0: 0.5, 1: 0.5, 2: 0.4, 3: 0.0})  # seed 3 has no partner
+    assert d.n == 3 and d.mean == pytest.approx(1 / 3) and d.excludes(0)
+    assert interval([0.5]).low is None and not interval([0.5]).excludes(0)
+
+
+def test_the_report_says_what_the_numbers_support_never_a_bare_met():
+    from multidsn.paper_cli import verdict
+
+    acc = {"source_only": {0: 0.665, 1: 0.660, 2: 0.670}, "dann": {0: 0.812, 1: 0.820, 2: 0.819},
+           "dsn_dann": {0: 0.811, 1: 0.820, 2: 0.825}}
+    text = "\n".join(verdict(acc, None))
+    assert "MET" not in text and "met by the mean only" in text or "supported: the gain" in text
+    assert "not supported: DSN-DANN beating DANN" in text and "not chosen on a validation split" in text
+    acc["dsn_dann"] = {0: 0.851, 1: 0.862, 2: 0.859}
+    text = "\n".join(verdict(acc, "val"))
+    assert "supported: DSN-DANN beats DANN alone" in text and "caution" not in text
+    assert "supported: the gain over source-only is at least 15" in text
