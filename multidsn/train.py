@@ -146,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="models trained at once, each in a process of its own with --threads threads; the "
                             "(method, seed) runs go longest first, and each line is appended whole, so the "
                             "results file is the one a single process writes (default: 1)")
+    paper.add_argument("--tune", action="store_true",
+                       help="choose every row's settings without the test set (multidsn/paper_tuning.py): "
+                            "--trials settings per row scored on a labelled target validation split, then the "
+                            "chosen ones on the fresh --seeds (default 10-14) scored on the test digits, with 95%% "
+                            "intervals and paired differences; records in --out (default runs/multidsn_tuning.jsonl) "
+                            "(default: off)")
+    paper.add_argument("--trials", type=int, default=4,
+                       help="with --tune: settings tried per row, the same for every row (default: 4)")
+    paper.add_argument("--tune-seeds", type=_seed_list, default=[100],
+                       help="with --tune: seeds of the tuning runs, never among --seeds (default: 100)")
+    paper.add_argument("--val-per-class", type=int, default=100,
+                       help="with --tune: training digits per class held out of every training split as the "
+                            "labelled target validation split (default: 100)")
     paper.add_argument("--report", action="store_true",
                        help=f"train nothing: print the table of what --out holds for this recipe; without --out, of "
                             f"the committed {COMMITTED['paper']} (default: off)")
@@ -189,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     column = RECIPES.index(args.recipe)
+    if args.tune:
+        if args.recipe != "paper":
+            raise SystemExit("--tune is for --recipe paper")
+        args.out = args.out or ("runs/multidsn_tuning_quick.jsonl" if args.quick else "runs/multidsn_tuning.jsonl")
+        args.seeds = args.seeds or ([10, 11] if args.quick else [10, 11, 12, 13, 14])
+        if args.quick and args.trials == 4:
+            args.trials = 2
     if args.out is None and getattr(args, "report", False):
         args.out = COMMITTED[args.recipe]
     if args.quick:
