@@ -2,18 +2,22 @@
 
     python -m plots.context results/context.jsonl --out figures/context
 
-Each method's line is its mean accuracy over seeds; the shaded band spans the seeds' min to max and
-every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one tile.
+Each method's line is its mean accuracy over seeds; the shaded band is the mean's 95% interval
+(Student's t over the seeds, ``multidsn.intervals``; none with one seed) and every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one tile.
 """
 
 from __future__ import annotations
 
 
+from multidsn.intervals import interval
+
 from .output import cli, footer, save
 
-COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green"}
+COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green", "transmil": "tab:red",
+          "tilegrid": "tab:purple"}
 LABELS = {"whole": "whole image (bigconv, {p} processes)", "mil": "tiles + attention MIL (torchmil ABMIL)",
-          "downsampled": "downsampled {k}x per side"}
+          "downsampled": "downsampled {k}x per side", "transmil": "tiles + TransMIL (PPEG positions)",
+          "tilegrid": "tile-grid CNN (8x8 tile embeddings)"}
 
 
 def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
@@ -39,7 +43,10 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
         lo, hi = min(map(len, acc)), max(map(len, acc))
         seeds = f"{lo} seeds" if lo == hi else f"{lo}-{hi} seeds"
         ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} ({seeds})")
-        ax.fill_between(dials, [min(a) for a in acc], [max(a) for a in acc], color=COLORS[method], alpha=0.15)
+        ivs = [interval(a) for a in acc]
+        if all(iv.low is not None for iv in ivs):
+            ax.fill_between(dials, [iv.low for iv in ivs], [iv.high for iv in ivs], color=COLORS[method],
+                            alpha=0.15)
         for d, a in zip(dials, acc):
             ax.scatter([d] * len(a), a, s=8, color=COLORS[method], alpha=0.6)
     ax.axhline(0.5, ls="--", color="grey", lw=1, label="chance")
