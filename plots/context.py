@@ -21,8 +21,14 @@ LABELS = {"whole": "whole image (bigconv, {p} processes)", "mil": "tiles + atten
 
 
 def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
-    """Write ``stem``.png and .pdf; the paths (none without records)."""
-    recs = [r for r in recs if r.get("bench") == "context"]
+    """Write ``stem``.png and .pdf (``stem``_<task> for each task when the records hold several); the paths
+    (none without records). Only test-split runs are drawn (not the learning-rate trials)."""
+    recs = [r for r in recs if r.get("bench") == "context" and r.get("record", "run") == "run"
+            and r.get("split", "test") == "test"]
+    tasks = sorted({r.get("task", "order") for r in recs})
+    if len(tasks) > 1:
+        return [p for t in tasks for p in draw([r for r in recs if r.get("task", "order") == t], f"{stem}_{t}",
+                                               f"{title} task {t}" if title else f"task {t}")]
     if not recs:
         return []
     import matplotlib
