@@ -15,8 +15,8 @@ from bigconv import progress
 
 from .mnist import paper_domains
 from .paper import RunOptions, done, recipe_record, run, same_recipe, split_of
-from .intervals import paired
 from .paper_jobs import run_jobs
+from .paper_verdict import selected_on_of, verdict
 from .placement import workers_needed
 from .recipes import METHODS, PaperRecipe
 
@@ -108,40 +108,6 @@ def _stat(values: list[float | None]) -> str:
     return f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}"
 
 
-BAR = 15.0
-"""Points DSN-DANN must gain over source-only (the paper's MNIST -> MNIST-M gap is 26.6)."""
-
-
-def _selected_on(lines: list[dict]) -> str | None:
-    marks = {r.get("selected_on") for r in lines}
-    return marks.pop() if len(marks) == 1 else None
-
-
-def verdict(acc: dict[str, dict[int, float]], selected_on: str | None) -> list[str]:
-    """What the numbers support, in words: the paired DSN-DANN - source-only and DSN-DANN - DANN differences
-    with their 95% intervals over the seeds both rows hold, never a bare "MET"."""
-    gain = paired(acc["dsn_dann"], acc["source_only"])
-    lead = paired(acc["dsn_dann"], acc["dann"])
-    out = [f"dsn_dann - source_only, paired over seeds: {gain.text(100, sign=True)} points (bar: +{BAR:g})",
-           f"dsn_dann - dann, paired over seeds: {lead.text(100, sign=True)} points"]
-    if gain.low is not None and 100 * gain.low >= BAR:
-        out.append(f"supported: the gain over source-only is at least {BAR:g} points (the whole interval)")
-    elif 100 * gain.mean >= BAR:
-        out.append(f"the mean gain reaches {BAR:g} points, the interval does not exclude less: the bar is met by "
-                   "the mean only")
-    else:
-        out.append(f"not supported: the mean gain is below {BAR:g} points")
-    if lead.excludes(0) and lead.mean > 0:
-        out.append("supported: DSN-DANN beats DANN alone (the paired interval excludes 0)")
-    else:
-        out.append("not supported: DSN-DANN beating DANN alone (the paired interval does not exclude 0"
-                   + (", or there is none" if lead.low is None else "") + ")")
-    if selected_on != "val":
-        out.append("caution: these settings were not chosen on a validation split (docs/multidsn.md: about 20 "
-                   "configurations were read on these test digits); the numbers include that selection")
-    return out
-
-
 def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
     """Markdown: per method, mean ± std over the seeds of the target accuracy, its polarity split, source
     accuracy, the domain diagnostics and private-code collapse; then the bar's verdict."""
@@ -181,5 +147,5 @@ def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
     if {"source_only", "dann", "dsn_dann"} <= set(means):
         rows += verdict({m: {r["seed"]: r["target_acc"] for r in lines if r["method"] == m and r["target"] == target
                              and r["seed"] in seeds} for m in ("source_only", "dann", "dsn_dann")},
-                        selected_on=_selected_on(lines))
+                        selected_on=selected_on_of(lines))
     return "\n".join(rows)

@@ -34,6 +34,7 @@ import torch
 
 from .intervals import interval
 from .paper import RunOptions, append_lines, done, evaluate, recipe_record, same_recipe, split_of, train
+from .paper_verdict import verdict
 from .recipes import METHODS, PaperRecipe, base_lr
 from .train_report import environment
 
@@ -196,8 +197,6 @@ def select(recipe: PaperRecipe, proto: Protocol, out: str, command: str = "") ->
 
 def report(recipe: PaperRecipe, proto: Protocol, out: str) -> str:
     """The fresh seeds' table and what it supports."""
-    from .paper_cli import verdict
-
     lines = _lines(out)
     chosen = {r["method"]: r["chosen"] for r in lines if r.get("record") == "selection"
               and r.get("trial_budget") == proto.trials and r.get("tuning_seeds") == list(proto.tune_seeds)

@@ -89,7 +89,7 @@ def test_intervals_match_student_t_and_pair_by_seed():
 
 
 def test_the_report_says_what_the_numbers_support_never_a_bare_met():
-    from multidsn.paper_cli import verdict
+    from multidsn.paper_verdict import verdict
 
     acc = {"source_only": {0: 0.665, 1: 0.660, 2: 0.670}, "dann": {0: 0.812, 1: 0.820, 2: 0.819},
            "dsn_dann": {0: 0.811, 1: 0.820, 2: 0.825}}
