@@ -1,27 +1,30 @@
-"""Does whole-image training pay? A context benchmark: whole image (bigconv) vs tiles (MIL) vs shrunk.
+"""Does whole-image training pay? A context benchmark: whole image (bigconv) vs tiles vs shrunk.
 
-    python -m experiments.context --quick      # 128² images, 1 seed, 2 dials: a smoke run (< 1 minute)
-    python -m experiments.context              # 1024² images, 3 seeds x 4 dials x 3 methods -> results/context.jsonl
-    python -m experiments.context --report     # the table and figure from the saved records, training nothing
+    python -m experiments.context --quick      # 128² images, 1 seed, 2 dials, every method: a smoke run -> runs/
+    python -m experiments.context --report     # the committed results/context.jsonl's table and figure
+    python -m experiments.context              # the first sweep: 1024², 3 seeds x 4 dials x 3 methods -> runs/
+    python -m experiments.context --scaled     # issue 35's sweep: 512², 2 tasks, 5 methods, 5 seeds, chosen lrs
 
-The data (``experiments.context_data``): two 8-pixel real MNIST digits, a 6 and a 9, ``dial`` tiles
-apart on one row of a black image; the label is whether the 6 is left of the 9. Three ways to train
-the same CNN (``ContextCNN``: a patchify stem, three conv+BatchNorm+max-pool levels, four dilated
-convolutions, a global max pool, a linear head; its receptive field spans the full-size image):
+The data (``experiments.context_data``): two 8-pixel real MNIST digits ``dial`` tiles apart on one row of
+a black image. Task ``order``: a 6 and a 9, label 1 iff the 6 is left. Task ``same``: two of {3, 5, 8},
+label 1 iff of the same class. The methods train the same CNN (``experiments.context_models.ContextCNN``:
+a patchify stem, three conv+BatchNorm+max-pool levels, four dilated convolutions, a global max pool, a
+linear head):
 
 - ``whole``: the whole image, on a local ``bigconv.World`` of ``--processes`` workers (grid 2x2 for 4),
   through the public API only (``World``, ``parallelize``, ``optimizer``, ``train_step``, ``net(x)``).
-- ``mil``: the image cut into ``tile``-pixel tiles; the same CNN (without its head) embeds each tile
-  and ``torchmil``'s attention-MIL head (``ABMIL``) pools the bag; trained end to end.
-- ``downsampled``: the same CNN on the image shrunk ``--shrink`` times per side (default: the square
-  root of the process count, so the shrunk image has the pixels one whole-image process holds).
+- ``mil``, ``transmil``, ``tilegrid``: the image cut into ``tile``-pixel tiles; the CNN (without its
+  head) embeds each tile, and torchmil's ABMIL (an unordered bag), torchmil's TransMIL (its PPEG sees
+  the grid) or a small CNN over the embeddings laid on their grid reads the bag; trained end to end.
+- ``downsampled``: the CNN on the image shrunk ``--shrink`` times per side (default: the square root
+  of the process count), with the full-size stem (``fixed``) or a stem matched to the shrink.
 
-Every method gets the same initial trunk weights, the same training images in the same order
-(batch ``s`` of seed ``k`` is drawn from seed ``k * 1_000_003 + s``), the same number of Adam steps,
-and is scored on the same held-out images made from test digits (never seen in training).
-Each (method, dial, seed) run appends its record when it ends; a rerun skips recorded runs, so the
-full sweep may span several sittings. The figure is drawn from the saved records
-(``python -m plots.context``).
+Every method gets the same initial trunk weights, the same training images in the same order (batch
+``s`` of seed ``k`` is drawn from seed ``k * 1_000_003 + s``), the same number of Adam steps, and is
+scored on the same held-out images made from test digits (never seen in training). With ``--lrs``, each
+(task, method) first tries every rate on validation digits (a part of the training digits) and uses the
+best. Each run appends its record when it ends; a rerun skips recorded runs, so a sweep may span several
+sittings. The figure is drawn from the saved records (``python -m plots.context``).
 """
 
 from __future__ import annotations
@@ -37,12 +40,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bigconv.harness import records
-from experiments.context_data import CLASSES, ContextData, Layout, shrink, tiles
+from experiments.context_data import RULES, TASKS, ContextData, Layout, shrink, tiles
+from experiments.context_models import ContextCNN, TileGridCNN, TileMIL, TileTransMIL
 from bigconv.harness import cli
 
 log = logging.getLogger(__name__)
 
-METHODS = ("whole", "mil", "downsampled")
+METHODS = ("whole", "mil", "transmil", "tilegrid", "downsampled")
+"""``mil``: ABMIL over an unordered bag; ``transmil``: TransMIL, whose PPEG sees the tiles' grid; ``tilegrid``:
+a CNN over the tile embeddings laid on their grid. The first sweep (``results/context.jsonl``) ran whole, mil
+and downsampled."""
+TILE_METHODS = ("mil", "transmil", "tilegrid")
+STEMS = ("fixed", "matched")
+"""``downsampled``'s stem: ``fixed``, the stride-4 stem of the full-size image (the first sweep's); ``matched``,
+stride 4 / shrink, so its feature map has the whole-image method's size and each cell as many digit pixels."""
 
 
 @dataclass(kw_only=True)
@@ -59,7 +70,17 @@ class Setting:
     """Digit distances in tiles. Half-integer beyond one tile: the digits then sit at the same place
     within their tiles whichever is left, so no within-tile position hints at the order."""
     seeds: tuple[int, ...] = (0, 1, 2)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = ("whole", "mil", "downsampled")
+    tasks: tuple[str, ...] = ("order",)
+    """``experiments.context_data.TASKS``: ``order`` (is the 6 left of the 9?), ``same`` (same class?)."""
+    stem: str = "fixed"
+    """``downsampled``'s stem (``STEMS``)."""
+    lrs: tuple[float, ...] = ()
+    """Learning rates tried per (task, method) before the sweep, the same budget for every method: each trains
+    on the ``fit`` part of the training digits with ``tune_seed`` at every dial and is scored on the ``val``
+    part; the best mean over the dials is the method's ``lr`` (a ``selection`` record). Empty: ``lr`` for all."""
+    tune_seed: int = 100
+    """Seed of the learning-rate trials, never one of ``seeds``."""
     steps: int = 300
     """Adam steps, the same for every method."""
     batch: int = 8
@@ -73,7 +94,8 @@ class Setting:
     """Workers of the whole-image World."""
     shrink: int | None = None
     """Per-side shrink of ``downsampled``; None: sqrt(processes)."""
-    out: str = "results/context.jsonl"
+    out: str = "runs/context.jsonl"
+    """Where records are appended (the committed ``results/context.jsonl`` only when named)."""
     quick: bool = False
     layouts: list[Layout] = field(default_factory=list, init=False)
 
@@ -85,6 +107,16 @@ class Setting:
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ValueError(f"unknown method(s) {bad}; choose from {list(METHODS)}")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"unknown task(s) {bad or self.tasks}; choose from {list(TASKS)}")
+        if self.stem not in STEMS:
+            raise ValueError(f"stem must be one of {STEMS}, got {self.stem!r}")
+        if self.tune_seed in self.seeds and self.lrs:
+            raise ValueError(f"tune_seed {self.tune_seed} is one of the seeds: the learning-rate trials must use "
+                             f"a seed of their own")
+        if any(not lr > 0 for lr in self.lrs):
+            raise ValueError(f"learning rates must be positive, got {self.lrs}")
         if self.shrink is None:
             root = math.isqrt(self.processes)
             self.shrink = root if root * root == self.processes else max(1, round(math.sqrt(self.processes)))
@@ -97,6 +129,8 @@ class Setting:
         if self.size % (q * self.shrink):
             raise ValueError(f"size {self.size} shrunk {self.shrink}x must stay a multiple of {q}: use a size "
                              f"divisible by {q * self.shrink}")
+        if self.stem == "matched" and 4 % self.shrink:
+            raise ValueError(f"a matched stem is stride 4 / shrink: shrink {self.shrink} does not divide 4")
         if not self.dials:
             raise ValueError("give at least one dial")
         # Every dial is laid out (and so checked) before anything trains.
@@ -105,55 +139,19 @@ class Setting:
 
 def quick_setting(**kw) -> Setting:
     return Setting(**{**dict(size=128, tile=32, dials=(0.5, 2.5), seeds=(0,), steps=6, batch=4, test_images=16,
-                             out="results/context_quick.jsonl", quick=True), **kw})
+                             methods=METHODS, out="runs/context_quick.jsonl", quick=True), **kw})
 
 
-class ContextCNN(nn.Module):
-    """A patchify stem, ``levels`` conv+BN+ReLU+max-pool levels, dilated convs, global max pool, linear head.
-
-    ``embed`` is everything before the head: what the MIL method applies to each tile.
-    """
-
-    STRIDE = 32
-    """Total downsampling of the trunk (stem 4 x three 2x pools)."""
-
-    def __init__(self, width: int = 16, num_classes: int = 2) -> None:
-        super().__init__()
-
-        def block(c_in: int, dilation: int = 1) -> list[nn.Module]:
-            return [nn.Conv2d(c_in, width, 3, padding=dilation, dilation=dilation), nn.BatchNorm2d(width),
-                    nn.ReLU()]
-
-        layers = [nn.Conv2d(1, width, 4, stride=4), nn.BatchNorm2d(width), nn.ReLU()]
-        for _ in range(3):
-            layers += [*block(width), nn.MaxPool2d(2)]
-        for d in (1, 2, 4, 8):
-            layers += block(width, d)
-        self.trunk = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveMaxPool2d(1)
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(width, num_classes))
-
-    def embed(self, x_NCHW: torch.Tensor) -> torch.Tensor:
-        return self.pool(self.trunk(x_NCHW)).flatten(1)
-
-    def forward(self, x_NCHW: torch.Tensor) -> torch.Tensor:
-        return self.head(self.pool(self.trunk(x_NCHW)))
+SCALED = dict(size=512, tile=64, digit=8, seeds=(0, 1, 2, 3, 4), methods=METHODS, tasks=("order", "same"),
+              stem="matched", lrs=(1e-3, 3e-3, 1e-2), out="runs/context_scaled.jsonl")
+"""``--scaled``: the sweep of issue 35 at a size that fits a few hours on 2 cores. Image and tiles halved
+(512², 64² tiles: still an 8x8 bag), the dials unchanged in tiles (so beyond one tile no tile holds both digits,
+whatever the task), the digits kept at 8 px (a 4-px digit is barely legible; 4 px is what ``downsampled``
+sees). Every method, both tasks, 5 seeds, the matched stem, 3 learning rates tried per (task, method)."""
 
 
-class TileMIL(nn.Module):
-    """The CNN embeds every tile; torchmil's attention-MIL head (ABMIL) pools the bag into one logit."""
-
-    def __init__(self, cnn: ContextCNN, width: int) -> None:
-        super().__init__()
-        from torchmil.models import ABMIL
-
-        self.cnn = cnn
-        self.abmil = ABMIL(in_shape=(width,), att_dim=width)
-
-    def forward(self, bags: torch.Tensor) -> torch.Tensor:
-        n, k = bags.shape[:2]
-        emb = self.cnn.embed(bags.flatten(0, 1)).reshape(n, k, -1)
-        return self.abmil(emb)
+def scaled_setting(**kw) -> Setting:
+    return Setting(**{**SCALED, **kw})
 
 
 def _batches(data: ContextData, s: Setting, seed: int):
@@ -174,59 +172,90 @@ def _accuracy(predict, x: torch.Tensor, y: torch.Tensor, chunk: int = 16) -> flo
     return right / len(x)
 
 
-def run_whole(s: Setting, layout: Layout, seed: int, world) -> dict:
-    import bigconv
+def _data(s: Setting, layout: Layout, task: str, split: str) -> tuple[ContextData, ContextData, int]:
+    """(training data, scoring data, scoring images' seed): ``split`` 'test' trains on every training digit and
+    scores the test digits; 'val' trains on the ``fit`` part and scores the ``val`` part (the trials)."""
+    if split == "val":
+        return (ContextData(layout, True, task, part="fit"), ContextData(layout, True, task, part="val"), _VAL_SEED)
+    return ContextData(layout, True, task), ContextData(layout, False, task), _TEST_SEED
 
+
+def _tile_model(method: str, s: Setting) -> nn.Module:
+    cnn = ContextCNN(s.width)
+    if method == "mil":
+        return TileMIL(cnn, s.width)
+    if method == "transmil":
+        return TileTransMIL(cnn, s.width)
+    return TileGridCNN(cnn, s.width, s.size // s.tile)
+
+
+def _stem(s: Setting) -> int:
+    return 4 // s.shrink if s.stem == "matched" else 4
+
+
+def run_one(s: Setting, method: str, layout: Layout, seed: int, lr: float, task: str = "order",
+            split: str = "test", world=None) -> dict:
+    """Train ``method`` ``s.steps`` Adam steps at ``lr`` and score it; the record's method-specific fields."""
+    train, score, score_seed = _data(s, layout, task, split)
     torch.manual_seed(seed)
-    grid = _grid(s.processes)
-    net = bigconv.parallelize(ContextCNN(s.width), world, grid=grid)
-    net.optimizer(torch.optim.Adam, lr=s.lr)
-    loss_fn = nn.CrossEntropyLoss()
-    loss = None
-    for x, y in _batches(ContextData(layout, train=True), s, seed):
-        loss = net.train_step(x, y, loss_fn)
-    net.eval()
-    xt, yt, _ = ContextData(layout, train=False).batch(s.test_images, _TEST_SEED)
-    acc = _accuracy(lambda x: net(x).argmax(1), xt, yt)
-    return {"accuracy": acc, "train_loss_last": _last(loss), "processes": s.processes, "grid": list(grid),
-            "input_size": s.size}
+    losses: list[float] = []
+    if method == "whole":
+        import bigconv
+
+        grid = _grid(s.processes)
+        net = bigconv.parallelize(ContextCNN(s.width), world, grid=grid)
+        net.optimizer(torch.optim.Adam, lr=lr)
+        loss_fn = nn.CrossEntropyLoss()
+        for x, y in _batches(train, s, seed):
+            losses.append(_last(net.train_step(x, y, loss_fn)))
+        net.eval()
+        predict = lambda x: net(x).argmax(1)  # noqa: E731
+        extra = {"processes": s.processes, "grid": list(grid), "input_size": s.size}
+    else:
+        if method == "downsampled":
+            model = ContextCNN(s.width, stem=_stem(s))
+            inputs = lambda x: shrink(x, s.shrink)  # noqa: E731
+            loss_of = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+            decide = lambda out: out.argmax(1)  # noqa: E731
+            extra = {"input_size": s.size // s.shrink, "shrink": s.shrink, "stem": _stem(s)}
+        else:
+            model = _tile_model(method, s)
+            inputs = lambda x: tiles(x, s.tile)  # noqa: E731
+            loss_of = lambda out, y: F.binary_cross_entropy_with_logits(out, y.float())  # noqa: E731
+            decide = lambda out: (out > 0).long()  # noqa: E731
+            extra = {"input_size": s.tile, "bag_size": (s.size // s.tile) ** 2,
+                     "mil_head": {"mil": "torchmil.models.ABMIL", "transmil": "torchmil.models.TransMIL",
+                                  "tilegrid": "TileGridCNN"}[method]}
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for x, y in _batches(train, s, seed):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(model(inputs(x)), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        model.eval()
+        predict = lambda x: decide(model(inputs(x)))  # noqa: E731
+        extra = {"processes": 1, "grid": None, **extra}
+    xt, yt, _ = score.batch(s.test_images, score_seed)
+    tail = losses[-max(1, len(losses) // 10):]
+    return {"accuracy": _accuracy(predict, xt, yt), "train_loss_last": losses[-1],
+            "train_loss_tail": sum(tail) / len(tail), **extra}
+
+
+def run_whole(s: Setting, layout: Layout, seed: int, world) -> dict:
+    return run_one(s, "whole", layout, seed, s.lr, world=world)
 
 
 def run_mil(s: Setting, layout: Layout, seed: int) -> dict:
-    torch.manual_seed(seed)
-    cnn = ContextCNN(s.width)
-    model = TileMIL(cnn, s.width)
-    opt = torch.optim.Adam(model.parameters(), lr=s.lr)
-    loss = None
-    for x, y in _batches(ContextData(layout, train=True), s, seed):
-        opt.zero_grad(set_to_none=True)
-        loss = F.binary_cross_entropy_with_logits(model(tiles(x, s.tile)), y.float())
-        loss.backward()
-        opt.step()
-    model.eval()
-    xt, yt, _ = ContextData(layout, train=False).batch(s.test_images, _TEST_SEED)
-    acc = _accuracy(lambda x: (model(tiles(x, s.tile)) > 0).long(), xt, yt)
-    return {"accuracy": acc, "train_loss_last": _last(loss), "processes": 1, "grid": None, "input_size": s.tile,
-            "bag_size": (s.size // s.tile) ** 2, "mil_head": "torchmil.models.ABMIL"}
+    return run_one(s, "mil", layout, seed, s.lr)
 
 
 def run_downsampled(s: Setting, layout: Layout, seed: int) -> dict:
-    torch.manual_seed(seed)
-    model = ContextCNN(s.width)
-    opt = torch.optim.Adam(model.parameters(), lr=s.lr)
-    loss = None
-    for x, y in _batches(ContextData(layout, train=True), s, seed):
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(shrink(x, s.shrink)), y)
-        loss.backward()
-        opt.step()
-    model.eval()
-    xt, yt, _ = ContextData(layout, train=False).batch(s.test_images, _TEST_SEED)
-    acc = _accuracy(lambda x: model(shrink(x, s.shrink)).argmax(1), xt, yt)
-    return {"accuracy": acc, "train_loss_last": _last(loss), "processes": 1, "grid": None,
-            "input_size": s.size // s.shrink, "shrink": s.shrink}
+    return run_one(s, "downsampled", layout, seed, s.lr)
 
 
+_VAL_SEED = 123_456_789
+"""Seed of the validation images (the ``val`` part of the training digits)."""
 _TEST_SEED = 987_654_321
 """Seed of the held-out images (test digits): the same for every method and training seed."""
 
@@ -238,80 +267,207 @@ def _grid(processes: int) -> tuple[int, int]:
     return (a, processes // a)
 
 
-def _key(s: Setting, method: str, dial: float, seed: int) -> tuple:
-    return (method, float(dial), seed, s.size, s.tile, s.digit, s.steps, s.batch, s.lr, s.width, s.test_images,
-            s.processes if method == "whole" else 1, s.shrink if method == "downsampled" else None)
+def _key(s: Setting, method: str, dial: float, seed: int, lr: float | None = None, task: str = "order",
+         split: str = "test") -> tuple:
+    return (task, split, method, float(dial), seed, s.size, s.tile, s.digit, s.steps, s.batch,
+            s.lr if lr is None else lr, s.width, s.test_images, s.processes if method == "whole" else 1,
+            s.shrink if method == "downsampled" else None, _stem(s) if method == "downsampled" else None)
 
 
 def _record_key(r: dict) -> tuple:
-    return (r["method"], float(r["dial"]), r["seed"], r["image_size"], r["tile_size"], r["digit_size"], r["steps"],
-            r["batch"], r["lr"], r["width"], r["test_images"], r["processes"], r.get("shrink"))
+    """The run's ``_key``; a line older than a field ran with its first value (task order, split test, stem 4)."""
+    stem = r.get("stem", 4) if r["method"] == "downsampled" else None
+    return (r.get("task", "order"), r.get("split", "test"), r["method"], float(r["dial"]), r["seed"], r["image_size"],
+            r["tile_size"], r["digit_size"], r["steps"], r["batch"], r["lr"], r["width"], r["test_images"],
+            r["processes"], r.get("shrink"), stem)
+
+
+def runs_of(recs: list[dict]) -> list[dict]:
+    """The run records of the context benchmark (not its selection records)."""
+    return [r for r in recs if r.get("bench") == "context" and r.get("record", "run") == "run"]
 
 
 def recorded(path: str) -> set[tuple]:
     """Keys of the runs already in ``path`` (a rerun skips them)."""
-    return {_record_key(r) for r in records.load(path) if r.get("bench") == "context"} if os.path.exists(path) \
-        else set()
+    return {_record_key(r) for r in runs_of(records.load(path))} if os.path.exists(path) else set()
+
+
+def _geometry(s: Setting) -> dict:
+    return {"image_size": s.size, "tile_size": s.tile, "digit_size": s.digit, "steps": s.steps, "batch": s.batch,
+            "width": s.width, "test_images": s.test_images, "shrink": s.shrink, "stem": s.stem}
+
+
+class _Runner:
+    """Runs and records one (task, method, dial, seed, lr, split) at a time; a World is started on first need."""
+
+    def __init__(self, s: Setting, echo) -> None:
+        from bigconv.harness.workload import environment
+
+        self.s, self.echo, self.env, self.world = s, echo, environment(), None
+        self.done = recorded(s.out)
+
+    def __call__(self, task: str, method: str, layout: Layout, seed: int, lr: float, split: str, role: str | None,
+                 selected_on: str | None) -> dict | None:
+        s = self.s
+        if _key(s, method, layout.dial, seed, lr, task, split) in self.done:
+            return None
+        if method == "whole" and self.world is None:
+            import bigconv
+
+            self.world = bigconv.World(workers=s.processes, threads_per_worker=1)
+        t0 = time.perf_counter()
+        r = run_one(s, method, layout, seed, lr, task, split, self.world)
+        env = self.env
+        rec = {"bench": "context", "record": "run", "task": task, "split": split, "seed_role": role,
+               "selected_on": selected_on, "method": method, "dial": float(layout.dial), "seed": seed,
+               "accuracy": r.pop("accuracy"), "image_size": s.size, "tile_size": s.tile, "digit_size": s.digit,
+               "distance_px": layout.distance, "processes": r.pop("processes"), "steps": s.steps, "batch": s.batch,
+               "lr": lr, "optimizer": "Adam", "width": s.width, "test_images": s.test_images,
+               "shrink": s.shrink if method == "downsampled" else None, "rule": RULES[task], "quick": s.quick, **r,
+               "train_s": time.perf_counter() - t0, "commit": env["commit"], "commit_dirty": env["commit_dirty"],
+               "torch": env["torch"], "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        records.append(s.out, rec)
+        self.done.add(_record_key(rec))
+        self.echo(f"  {task:5s} {method:11s} dial {layout.dial:<5g} seed {seed} lr {lr:g} ({split}): accuracy "
+                  f"{rec['accuracy']:.3f}, loss {rec['train_loss_tail']:.3f} ({rec['train_s']:.0f}s)")
+        return rec
+
+    def close(self) -> None:
+        if self.world is not None:
+            self.world.close()
+
+
+def select_lr(s: Setting, task: str, method: str, recs: list[dict]) -> tuple[float, dict] | None:
+    """The learning rate of ``s.lrs`` with the best mean validation accuracy over the dials (ties: the first),
+    and the ``selection`` record; None while a trial is missing."""
+    trials = []
+    for lr in s.lrs:
+        acc = {}
+        for r in runs_of(recs):
+            if r.get("split") == "val" and r["seed"] == s.tune_seed and r["method"] == method and r["lr"] == lr \
+                    and r.get("task") == task and r["dial"] in s.dials and _record_key(r) == \
+                    _key(s, method, r["dial"], s.tune_seed, lr, task, "val"):
+                acc[r["dial"]] = (r["accuracy"], r["train_loss_tail"])
+        if len(acc) < len(s.dials):
+            return None
+        trials.append({"lr": lr, "val_acc_mean": sum(a for a, _ in acc.values()) / len(acc),
+                       "val_acc": {str(d): a for d, (a, _) in sorted(acc.items())},
+                       "train_loss_tail": {str(d): l for d, (_, l) in sorted(acc.items())}})
+    best = max(trials, key=lambda t: (t["val_acc_mean"], -s.lrs.index(t["lr"])))
+    rec = {"bench": "context", "record": "selection", "task": task, "method": method, "selected_on": "val",
+           "lrs": list(s.lrs), "trial_budget": len(s.lrs), "tune_seed": s.tune_seed, "dials": list(s.dials),
+           "trials": trials, "chosen_lr": best["lr"], **_geometry(s)}
+    return best["lr"], rec
+
+
+def chosen_lrs(s: Setting, recs: list[dict]) -> dict[tuple[str, str], float]:
+    """(task, method) -> the learning rate its runs use: the selection's when ``s.lrs``, else ``s.lr``."""
+    out = {}
+    for task in s.tasks:
+        for method in s.methods:
+            if not s.lrs:
+                out[task, method] = s.lr
+                continue
+            picked = select_lr(s, task, method, recs)
+            if picked is not None:
+                out[task, method] = picked[0]
+    return out
 
 
 def sweep(s: Setting, echo=print) -> list[dict]:
-    """Run every (dial, seed, method) of ``s`` not yet recorded in ``s.out``; the new records."""
-    from bigconv.harness.workload import environment
-
-    env = environment()
-    done = recorded(s.out)
-    # Seed by seed, so that a sweep cut short has whole seeds of every dial and method.
-    todo = [(layout, seed, m) for seed in s.seeds for layout in s.layouts for m in s.methods
-            if _key(s, m, layout.dial, seed) not in done]
-    echo(f"context sweep: {len(todo)} run(s) to do, {len(s.layouts) * len(s.seeds) * len(s.methods) - len(todo)} "
-         f"already in {s.out}")
-    if not todo:
-        return []
+    """The learning-rate trials (when ``s.lrs``), a ``selection`` record per (task, method), then every
+    (seed, task, dial, method) run not yet recorded in ``s.out``; the new records."""
+    run = _Runner(s, echo)
     new: list[dict] = []
-    world = None
     try:
-        if any(m == "whole" for _, _, m in todo):
-            import bigconv
-
-            world = bigconv.World(workers=s.processes, threads_per_worker=1)
-        for layout, seed, method in todo:
-            t0 = time.perf_counter()
-            if method == "whole":
-                r = run_whole(s, layout, seed, world)
-            elif method == "mil":
-                r = run_mil(s, layout, seed)
-            else:
-                r = run_downsampled(s, layout, seed)
-            rec = {"bench": "context", "method": method, "dial": float(layout.dial), "seed": seed,
-                   "accuracy": r.pop("accuracy"), "image_size": s.size, "tile_size": s.tile, "digit_size": s.digit,
-                   "distance_px": layout.distance, "processes": r.pop("processes"), "steps": s.steps,
-                   "batch": s.batch, "lr": s.lr, "optimizer": "Adam", "width": s.width, "test_images": s.test_images,
-                   "shrink": s.shrink if method == "downsampled" else None, "rule": f"label 1 iff the {CLASSES[0]} "
-                   f"is left of the {CLASSES[1]}", "quick": s.quick, **r, "train_s": time.perf_counter() - t0,
-                   "commit": env["commit"], "commit_dirty": env["commit_dirty"], "torch": env["torch"], "env": env,
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            records.append(s.out, rec)
-            new.append(rec)
-            echo(f"  {method:12s} dial {layout.dial:<5g} seed {seed}: accuracy {rec['accuracy']:.3f} "
-                 f"({rec['train_s']:.0f}s)")
+        if s.lrs:
+            echo(f"learning-rate trials: {len(s.lrs)} per (task, method), seed {s.tune_seed}, validation digits")
+            for task in s.tasks:
+                for method in s.methods:
+                    for lr in s.lrs:
+                        for layout in s.layouts:
+                            rec = run(task, method, layout, s.tune_seed, lr, "val", "tuning", None)
+                            new += [rec] if rec else []
+                    recs = records.load(s.out)
+                    _, sel = select_lr(s, task, method, recs)
+                    if not any(r.get("record") == "selection" and {**r, "time": None} == {**sel, "time": None}
+                               for r in recs):
+                        records.append(s.out, {**sel, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                        echo(f"  {task} {method}: lr {sel['chosen_lr']:g} chosen on the validation digits")
+        lrs = chosen_lrs(s, records.load(s.out) if os.path.exists(s.out) else [])
+        todo = len(s.seeds) * len(s.tasks) * len(s.layouts) * len(s.methods)
+        echo(f"context sweep: {todo} run(s) of {s.out}")
+        # Seed by seed, so that a sweep cut short has whole seeds of every task, dial and method.
+        for seed in s.seeds:
+            for task in s.tasks:
+                for layout in s.layouts:
+                    for method in s.methods:
+                        rec = run(task, method, layout, seed, lrs[task, method], "test",
+                                  "fresh" if s.lrs else None, "val" if s.lrs else None)
+                        new += [rec] if rec else []
     finally:
-        if world is not None:
-            world.close()
+        run.close()
     return new
 
 
+CHANCE_LOSS = 0.6
+"""A run whose training loss ends above this (ln 2 = 0.693 is a coin's) did not learn the training images."""
+
+
+def report_records(s: Setting, recs: list[dict]) -> list[dict]:
+    """The test runs of ``s`` (each (task, method) at its chosen learning rate)."""
+    lrs = chosen_lrs(s, recs)
+    return [r for r in runs_of(recs) if r.get("split", "test") == "test" and r.get("task", "order") in s.tasks
+            and r["image_size"] == s.size and r["tile_size"] == s.tile and r["steps"] == s.steps
+            and r["dial"] in s.dials and r["seed"] in s.seeds and r["method"] in s.methods
+            and r["lr"] == lrs.get((r.get("task", "order"), r["method"]))
+            and (r["method"] != "downsampled" or r.get("stem", 4) == _stem(s))]
+
+
 def table(recs: list[dict]) -> list[str]:
-    """Mean accuracy (min-max over seeds) per dial and method, as markdown."""
-    dials = sorted({r["dial"] for r in recs})
-    methods = [m for m in METHODS if any(r["method"] == m for r in recs)]
-    rows = ["| dial (tiles) | distance (px) | " + " | ".join(methods) + " |", "|---" * (len(methods) + 2) + "|"]
-    for d in dials:
-        cells = []
-        for m in methods:
-            a = [r["accuracy"] for r in recs if r["dial"] == d and r["method"] == m]
-            cells.append(f"{sum(a) / len(a):.3f} ({min(a):.2f}-{max(a):.2f}, n={len(a)})" if a else "")
-        dist = next(r["distance_px"] for r in recs if r["dial"] == d)
-        rows.append(f"| {d:g} | {dist} | " + " | ".join(cells) + " |")
+    """Per task: mean accuracy with its 95% interval over seeds (min-max with fewer than 2) per dial and method,
+    runs that did not train marked; then, per dial, whole minus every other method paired by seed."""
+    from multidsn.intervals import interval, paired
+
+    rows: list[str] = []
+    for task in [t for t in TASKS if any(r.get("task", "order") == t for r in recs)]:
+        mine = [r for r in recs if r.get("task", "order") == task]
+        dials = sorted({r["dial"] for r in mine})
+        methods = [m for m in METHODS if any(r["method"] == m for r in mine)]
+        rows += [f"task {task}: {RULES[task]}", "",
+                 "| dial (tiles) | distance (px) | " + " | ".join(methods) + " |",
+                 "|---" * (len(methods) + 2) + "|"]
+        for d in dials:
+            cells = []
+            for m in methods:
+                cell = [r for r in mine if r["dial"] == d and r["method"] == m]
+                a = [r["accuracy"] for r in cell]
+                if not a:
+                    cells.append("")
+                    continue
+                stuck = sum(r.get("train_loss_tail", r.get("train_loss_last", 0)) > CHANCE_LOSS for r in cell)
+                mark = f", {stuck} did not train" if stuck else ""
+                iv = interval(a)
+                cells.append(f"{iv.mean:.3f} [{iv.low:.2f}, {iv.high:.2f}] (n={len(a)}{mark})" if iv.low is not None
+                             else f"{iv.mean:.3f} ({min(a):.2f}-{max(a):.2f}, n={len(a)}{mark})")
+            dist = next(r["distance_px"] for r in mine if r["dial"] == d)
+            rows.append(f"| {d:g} | {dist} | " + " | ".join(cells) + " |")
+        if "whole" in methods and len(methods) > 1:
+            others = [m for m in methods if m != "whole"]
+            rows += ["", "whole minus each method, paired by seed (mean [95% interval], n):", "",
+                     "| dial (tiles) | " + " | ".join(f"whole - {m}" for m in others) + " |",
+                     "|---" * (len(others) + 1) + "|"]
+            for d in dials:
+                acc = {m: {r["seed"]: r["accuracy"] for r in mine if r["dial"] == d and r["method"] == m}
+                       for m in methods}
+                cells = []
+                for m in others:
+                    diff = paired(acc["whole"], acc[m])
+                    cells.append("" if diff is None else diff.text(1, digits=3, sign=True))
+                rows.append(f"| {d:g} | " + " | ".join(cells) + " |")
+        rows.append("")
+    rows.append(f"did not train: training loss above {CHANCE_LOSS} at the end (ln 2 = 0.693 is chance; the mean of "
+                "the last tenth of the steps, or the last batch's for records older than that field)")
     return rows
 
 
@@ -320,49 +476,81 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _ints(text: str) -> tuple[int, ...]:
+    if "-" in text.strip("-") and "," not in text:
+        lo, hi = (int(t) for t in text.split("-", 1))
+        return tuple(range(lo, hi + 1))
     return tuple(int(t) for t in text.split(",") if t)
+
+
+COMMITTED = "results/context.jsonl"
+"""The first sweep's records: what ``--report`` reads at the default scale when no ``--out`` is given."""
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t for t in text.split(",") if t)
 
 
 def main(argv=None) -> None:
     parser = cli.parser("experiments.context", __doc__)
-    parser.add_argument("--quick", action="store_true", help="128² images, 1 seed, 2 dials, 6 steps")
+    scale = parser.add_mutually_exclusive_group()
+    scale.add_argument("--quick", action="store_true",
+                       help="128² images, 1 seed, 2 dials, 6 steps, every method: a smoke run (about a minute)")
+    scale.add_argument("--scaled", action="store_true",
+                       help="the sweep of issue 35 (SCALED): 512² images, 64² tiles, both tasks, every method, 5 "
+                            "seeds, the matched stem, 3 learning rates tried per (task, method) on validation digits")
     parser.add_argument("--size", type=int, help="image edge (default: the scale's)")
     parser.add_argument("--tile", type=int, help="tile edge of the MIL baseline (default: the scale's)")
     parser.add_argument("--digit", type=int, help="edge of each MNIST digit pasted in (default: the scale's)")
-    parser.add_argument("--dials", type=_floats, help="comma-separated, in tiles")
-    parser.add_argument("--seeds", type=_ints, help="seeds, comma-separated or a range like 0-2 (default: the scale's)")
-    parser.add_argument("--methods", type=lambda t: tuple(t.split(",")),
-                        help="comma-separated methods to train (default: all)")
+    parser.add_argument("--dials", type=_floats, help="comma-separated, in tiles (default: the scale's)")
+    parser.add_argument("--seeds", type=_ints, help="seeds, comma-separated (default: the scale's)")
+    parser.add_argument("--methods", type=_names,
+                        help=f"comma-separated, of {','.join(METHODS)} (default: the scale's)")
+    parser.add_argument("--tasks", type=_names, help=f"comma-separated, of {','.join(TASKS)} (default: the scale's)")
+    parser.add_argument("--stem", choices=STEMS, help="downsampled's stem: fixed (stride 4) or matched (stride "
+                        "4 / shrink) (default: the scale's)")
+    parser.add_argument("--lrs", type=_floats, help="learning rates tried per (task, method) on validation digits, "
+                        "comma-separated; none: --lr for every method (default: the scale's)")
+    parser.add_argument("--tune-seed", type=int, dest="tune_seed",
+                        help="seed of the learning-rate trials (default: 100)")
     parser.add_argument("--steps", type=int, help="training steps per run (default: the scale's)")
     parser.add_argument("--batch", type=int, help="images per step (default: the scale's)")
-    parser.add_argument("--lr", type=float, help="learning rate (default: the scale's)")
+    parser.add_argument("--lr", type=float, help="learning rate without --lrs (default: 3e-3)")
     parser.add_argument("--test-images", type=int, dest="test_images",
                         help="held-out images per run (default: the scale's)")
     parser.add_argument("--processes", type=int, help="bigconv workers (default: the scale's)")
     parser.add_argument("--shrink", type=int, help="edge the shrunk-image baseline trains on (default: the scale's)")
-    parser.add_argument("--out", help="results file (default results/context[_quick].jsonl)")
-    parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick])")
+    parser.add_argument("--out", help="results file: runs/context.jsonl, runs/context_quick.jsonl or "
+                        f"runs/context_scaled.jsonl by scale; with --report at the default scale, {COMMITTED} "
+                        "(default: by scale)")
+    parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick|_scaled])")
     parser.add_argument("--report", action="store_true", help="train nothing: print the table and draw the figure "
                         "from the records already in --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "figure", "report") and v is not None}
-    s = quick_setting(**given) if args.quick else Setting(**given)  # every layout is checked here
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report")
+             and v is not None}
+    if args.report and args.out is None and not (args.quick or args.scaled):
+        given["out"] = COMMITTED
+    make = quick_setting if args.quick else scaled_setting if args.scaled else Setting
+    s = make(**given)  # every layout is checked here: a ValueError names the limit
     torch.set_num_threads(1)
     if not args.report:
         t0 = time.perf_counter()
         sweep(s)
         log.info("sweep: %.0f s this sitting", time.perf_counter() - t0)
-    mine = [r for r in (records.load(s.out) if os.path.exists(s.out) else []) if r.get("bench") == "context"
-            and r["image_size"] == s.size and r["tile_size"] == s.tile and r["steps"] == s.steps
-            and r["dial"] in s.dials and r["seed"] in s.seeds and r["method"] in s.methods]
-    total = sum(r["train_s"] for r in mine)
-    print(f"{len(mine)} of {len(s.layouts) * len(s.seeds) * len(s.methods)} runs recorded; "
-          f"their training took {total / 60:.1f} min in all")
+    recs = records.load(s.out) if os.path.exists(s.out) else []
+    mine = report_records(s, recs)
+    total = sum(r["train_s"] for r in runs_of(recs))
+    print(f"{len(mine)} of {len(s.tasks) * len(s.layouts) * len(s.seeds) * len(s.methods)} runs recorded; the "
+          f"training of every run in {s.out} took {total / 60:.1f} min in all")
+    for sel in (r for r in recs if r.get("record") == "selection" and r["task"] in s.tasks):
+        tried = ", ".join(f"{t['lr']:g} ({t['val_acc_mean']:.3f})" for t in sel["trials"])
+        print(f"selection: {sel['task']} {sel['method']}: lr {sel['chosen_lr']:g} of {tried} on validation digits")
     print("\n".join(table(mine)))
     from plots import context as plot
 
-    stem = args.figure or ("figures/context_quick" if s.quick else "figures/context")
+    stem = args.figure or ("figures/context_quick" if s.quick else "figures/context_scaled" if args.scaled
+                           else "figures/context")
     for p in plot.draw(mine, stem, title=f"{s.size}² images, {s.tile}² tiles, {s.digit}-px digits, "
                                           f"{s.steps} steps x {s.batch}"):
         print(p)

@@ -25,7 +25,17 @@ import torch
 import torch.nn.functional as F
 
 CLASSES = (6, 9)
-"""The two digits: the label says whether the first is left of the second."""
+"""The two digits of the ``order`` task: the label says whether the first is left of the second."""
+TASKS = {"order": CLASSES, "same": (3, 5, 8)}
+"""The tasks and their digit classes. ``order``: label 1 iff the 6 is left of the 9 (beyond one tile no tile
+shows it, and a bag of tiles is the same for both labels). ``same``: two digits of {3, 5, 8} at the same
+places, label 1 iff they are of the same class: a bag of tile embeddings can tell that without positions
+when both digits are visible, so tiles are at home there, and shrinking makes it hard."""
+RULES = {"order": f"label 1 iff the {CLASSES[0]} is left of the {CLASSES[1]}",
+         "same": "label 1 iff the two digits (of 3, 5, 8) are of the same class"}
+VAL_FRACTION = 5
+"""``part='val'``: the last 1/5 of each class's training digits; ``part='fit'``: the other 4/5. Learning rates
+are chosen by training on ``fit`` and scoring on ``val``, never on the test digits."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -77,23 +87,32 @@ def _mnist() -> tuple[np.ndarray, np.ndarray]:
     return mnist_data()
 
 
-def digit_ids(train: bool) -> dict[int, np.ndarray]:
-    """The indices into ``mnist_data()`` of each class's train or test digits (the split itself)."""
+def digit_ids(train: bool, classes: tuple[int, ...] = CLASSES, part: str | None = None) -> dict[int, np.ndarray]:
+    """The indices into ``mnist_data()`` of each class's train or test digits (the split itself); with
+    ``part`` ('fit' or 'val'), that part of the training half (see ``VAL_FRACTION``)."""
+    if part not in (None, "fit", "val") or part is not None and not train:
+        raise ValueError(f"part must be None, or 'fit' / 'val' of the training digits; got {part!r} "
+                         f"(train={train})")
     _, y = _mnist()
     out = {}
-    for c in CLASSES:
+    for c in classes:
         idx = np.flatnonzero(y == c)
         idx = idx[np.random.default_rng(1234 + c).permutation(len(idx))]
         half = len(idx) // 2
-        out[c] = np.sort(idx[:half] if train else idx[half:])
+        pick = idx[:half] if train else idx[half:]
+        if part is not None:
+            cut = len(pick) - len(pick) // VAL_FRACTION
+            pick = pick[:cut] if part == "fit" else pick[cut:]
+        out[c] = np.sort(pick)
     return out
 
 
-def _digits(train: bool, px: int) -> dict[int, torch.Tensor]:
+def _digits(train: bool, px: int, classes: tuple[int, ...] = CLASSES, part: str | None = None
+            ) -> dict[int, torch.Tensor]:
     """Each class's digits of the train or the test half, as (n, px, px) float32 in [0, 1]."""
     X, _ = _mnist()
     out = {}
-    for c, pick in digit_ids(train).items():
+    for c, pick in digit_ids(train, classes, part).items():
         d = torch.from_numpy(X[pick].reshape(-1, 1, 28, 28) / 255.0).float()
         out[c] = F.interpolate(d, size=(px, px), mode="area")[:, 0].contiguous()
     return out
@@ -102,10 +121,13 @@ def _digits(train: bool, px: int) -> dict[int, torch.Tensor]:
 class ContextData:
     """Draws images of one ``Layout`` from the train or the test digits, reproducibly by seed."""
 
-    def __init__(self, layout: Layout, train: bool) -> None:
+    def __init__(self, layout: Layout, train: bool, task: str = "order", part: str | None = None) -> None:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose from {list(TASKS)}")
         self.layout = layout
         self.train = train
-        self.digits = _digits(train, layout.digit)
+        self.task = task
+        self.digits = _digits(train, layout.digit, TASKS[task], part)
 
     def batch(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """``n`` images (n, 1, size, size), labels (n,) int64, and where each digit went (pixels)."""
@@ -116,6 +138,8 @@ class ContextData:
         d, p = L.distance, L.digit
         rows = g.integers(0, L.size - p + 1, n)
         lefts = g.integers(0, L.size - d - p + 1, n)
+        if self.task == "same":
+            return self._same(g, x, labels, rows, lefts)
         where = {"row": rows.tolist(), "x6": [], "x9": []}
         for i in range(n):
             first = CLASSES[0] if labels[i] == 1 else CLASSES[1]  # the class on the left
@@ -125,6 +149,22 @@ class ContextData:
                 img = pool[g.integers(0, len(pool))]
                 x[i, 0, rows[i]:rows[i] + p, col:col + p] = img
                 where[f"x{c}"].append(int(col))
+        return x, torch.from_numpy(labels).long(), where
+
+
+    def _same(self, g, x, labels, rows, lefts) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        L, classes = self.layout, TASKS["same"]
+        d, p = L.distance, L.digit
+        where = {"row": rows.tolist(), "x_left": lefts.tolist(), "classes": []}
+        for i in range(len(labels)):
+            if labels[i] == 1:
+                pair = [classes[g.integers(len(classes))]] * 2
+            else:
+                pair = [int(c) for c in g.choice(classes, size=2, replace=False)]
+            for c, col in zip(pair, (lefts[i], lefts[i] + d)):
+                pool = self.digits[c]
+                x[i, 0, rows[i]:rows[i] + p, col:col + p] = pool[g.integers(0, len(pool))]
+            where["classes"].append(pair)
         return x, torch.from_numpy(labels).long(), where
 
 

@@ -57,6 +57,20 @@ def split(labels: np.ndarray, test_per_class: int = TEST_PER_CLASS, seed: int = 
     return test
 
 
+def validation_mask(labels: np.ndarray, test: np.ndarray, per_class: int, seed: int = SPLIT_SEED) -> np.ndarray:
+    """A boolean mask of ``per_class`` random non-test images of every class: the labelled target validation
+    split. Its digits are taken out of both training sets (source and unlabelled target), so no model sees
+    them, or their target images, in training; and they are never test digits."""
+    rng = np.random.default_rng([seed, 2])
+    val = np.zeros(len(labels), dtype=bool)
+    for c in np.unique(labels):
+        idx = np.flatnonzero((labels == c) & ~test)
+        if per_class > len(idx):
+            raise ValueError(f"val_per_class {per_class} is more than the {len(idx)} training digits of class {c}")
+        val[rng.choice(idx, size=per_class, replace=False)] = True
+    return val
+
+
 def photos() -> list[np.ndarray]:
     """Every ``PHOTOS`` image as (H, W, 3) float32 in [0, 1]."""
     return [img[..., :3] for img in load_photos(PHOTOS)]
@@ -88,9 +102,15 @@ def to_tensor(images_NHWC: np.ndarray, size: int = IMAGE_SIZE) -> torch.Tensor:
     return (2 * x - 1).contiguous()
 
 
-def paper_domains(extra_targets: list[str] | None = None, size: int = IMAGE_SIZE) -> tuple[Domain, list[Domain]]:
+def paper_domains(extra_targets: list[str] | None = None, size: int = IMAGE_SIZE,
+                  val_per_class: int = 0) -> tuple[Domain, list[Domain]]:
     """(MNIST source, [mnistm, *extra_targets]): every domain with labelled train and test splits (the targets'
-    train labels serve the target-only bound only), and ``test_light`` on mnistm."""
+    train labels serve the target-only bound only), and ``test_light`` on mnistm.
+
+    ``val_per_class`` > 0 takes that many training digits per class out of every training split (``mnistm_val``
+    holds their target images: ``validation_domain``); the test split and the target images do not change."""
+    if val_per_class:
+        return _with_validation(extra_targets, size, val_per_class)[:2]
     unknown = [n for n in extra_targets or [] if n not in EXTRA_TARGETS]
     if unknown:
         raise ValueError(f"unknown extra target(s) {unknown}; choose from {list(EXTRA_TARGETS)}")
@@ -111,3 +131,32 @@ def paper_domains(extra_targets: list[str] | None = None, size: int = IMAGE_SIZE
         shifted = 2 * SHIFTS[name](grey_t, np.random.default_rng([SPLIT_SEED, k + 2])).contiguous() - 1
         targets.append(Domain(name, shifted[~test], y[~test], shifted[test], y[test]))
     return source, targets
+
+
+def validation_domain(size: int = IMAGE_SIZE, val_per_class: int = 100) -> tuple[Domain, list[Domain], Domain]:
+    """(source, [mnistm], val): the training splits without the validation digits, and ``val``, a Domain whose
+    *test* split is the labelled target validation images (with their polarity) and whose training split is
+    empty: a model scored on it reads neither test digits nor images it trained on."""
+    return _with_validation([], size, val_per_class)
+
+
+def _with_validation(extra_targets, size: int, per_class: int) -> tuple[Domain, list[Domain], Domain]:
+    if extra_targets:
+        raise ValueError("a validation split is made for the mnistm target alone; drop --extra-targets")
+    source, (mnistm,) = paper_domains([], size)
+    digits, labels = mnist_digits()
+    test = split(labels)
+    val = validation_mask(labels, test, per_class)
+    keep = ~val[~test]  # the training rows that stay, in the training split's order
+    rng = np.random.default_rng([SPLIT_SEED, 1])
+    _, light = blend(digits, rng)  # the same draws as paper_domains: the same target images
+    train_rows = np.flatnonzero(~test)
+    val_rows = np.flatnonzero(~test)[~keep]
+    assert set(val_rows) == set(np.flatnonzero(val)) and not (set(train_rows[keep]) & set(val_rows))
+    k = torch.from_numpy(keep)
+    source = Domain(source.name, source.train_x[k], source.train_y[k], source.test_x, source.test_y)
+    vx, vy = mnistm.train_x[~k], mnistm.train_y[~k]
+    validation = Domain("mnistm", vx[:0], vy[:0], vx, vy, test_light=torch.from_numpy(light[val_rows]))
+    mnistm = Domain(mnistm.name, mnistm.train_x[k], mnistm.train_y[k], mnistm.test_x, mnistm.test_y,
+                    test_light=mnistm.test_light)
+    return source, [mnistm], validation

@@ -48,7 +48,7 @@ class RunOptions:
     """Steps between two history entries (and log lines)."""
     collapse_ratio: float = 0.01
     """Private codes count as collapsed below this fraction of the shared codes' norm."""
-    out: str = "results/multidsn_paper.jsonl"
+    out: str = "runs/multidsn_paper.jsonl"
     """The JSON-lines file the records are appended to, and read to skip what is done."""
     command: str = ""
     """The command line, recorded with every line."""
@@ -58,13 +58,14 @@ class RunOptions:
     """Where a single-process model trains ('cuda': a GPU); the records say which."""
 
 
-def recipe_record(recipe: PaperRecipe, extra_targets: list[str]) -> dict:
-    """What a line must share with the current run to count as done."""
+def recipe_record(recipe: PaperRecipe, extra_targets: list[str], val_per_class: int = 0) -> dict:
+    """What a line must share with the current run to count as done (``val_per_class``: the training digits per
+    class held out as the target validation split, ``multidsn.mnist.validation_domain``; 0: none)."""
     return {**{k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(recipe).items()},
-            "extra_targets": list(extra_targets)}
+            "extra_targets": list(extra_targets), "val_per_class": val_per_class}
 
 
-ADDED_FIELDS = {"grl_schedule": "constant", "lr_mmd": None}
+ADDED_FIELDS = {"grl_schedule": "constant", "lr_mmd": None, "val_per_class": 0}
 """Recipe fields added after records were written, with the value those records ran with."""
 
 
@@ -87,14 +88,19 @@ def same_recipe(recorded: dict | None, recipe: dict, method: str) -> bool:
     return recorded is not None and effective(recorded, method) == effective(recipe, method)
 
 
-def done(path: str, recipe: dict) -> set[tuple[str, str, int]]:
-    """(method, target, seed) already recorded in ``path`` with this very recipe."""
+def split_of(line: dict) -> str:
+    """The split a line's ``target_acc`` was scored on: 'test', or 'val' (a line older than the field: test)."""
+    return line.get("split", "test")
+
+
+def done(path: str, recipe: dict, split: str = "test") -> set[tuple[str, str, int]]:
+    """(method, target, seed) already recorded in ``path`` with this very recipe, scored on ``split``."""
     if not Path(path).exists():
         return set()
     out = set()
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
-        if "method" in r and same_recipe(r.get("recipe"), recipe, r["method"]):
+        if r.get("record", "run") == "run" and "method" in r and split_of(r) == split and same_recipe(r.get("recipe"), recipe, r["method"]):
             out.add((r["method"], r["target"], r["seed"]))
     return out
 
@@ -201,7 +207,7 @@ def run(recipe: PaperRecipe, methods: list[str], seeds: list[int], source: Domai
                     rows = evaluate(model, method, source, group, opts)
                 finally:
                     model.close()
-                lines = [{"record": "run", "method": method, "seed": seed, **row, "steps": recipe.steps,
+                lines = [{"record": "run", "method": method, "seed": seed, "split": "test", **row, "steps": recipe.steps,
                           "warmup": recipe.warmup, "train_s": round(result["train_s"], 1),
                           "step_s": round(result["train_s"] / recipe.steps, 5), "domain_acc": result["domain_acc"],
                           "placement": opts.placement, "device": opts.device, "recipe": key,

@@ -14,8 +14,9 @@ import torch
 from bigconv import progress
 
 from .mnist import paper_domains
-from .paper import RunOptions, done, recipe_record, run, same_recipe
+from .paper import RunOptions, done, recipe_record, run, same_recipe, split_of
 from .paper_jobs import run_jobs
+from .paper_verdict import selected_on_of, verdict
 from .placement import workers_needed
 from .recipes import METHODS, PaperRecipe
 
@@ -40,6 +41,23 @@ def main(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     if args.jobs > 1 and args.placement != "single":
         raise SystemExit(f"--jobs {args.jobs} trains each model in a process of its own: use --placement single, "
                          f"or --jobs 1 with --placement {args.placement}")
+    if args.tune:
+        from .paper_tuning import Protocol
+        from .paper_tuning import main as tune
+
+        try:
+            proto = Protocol(trials=args.trials, tune_seeds=tuple(args.tune_seeds), seeds=tuple(seeds),
+                             val_per_class=args.val_per_class)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+        if args.extra_targets or args.placement != "single":
+            raise SystemExit("--tune trains the mnistm target alone with --placement single")
+        opts = RunOptions(log_every=args.log_every, collapse_ratio=args.collapse_ratio, out=args.out, quiet=args.quiet,
+                          command="python -m multidsn.train " + " ".join(argv), device=args.device)
+        with progress.bars_and_logs():
+            text = tune(recipe, proto, opts, args.jobs, args.threads, args.report)
+        print(text)
+        return []
     if not args.report:
         source, targets = paper_domains(args.extra_targets)
         log.info("data: %s %d train / %d test; %s", source.name, len(source.train_x), len(source.test_x),
@@ -75,7 +93,7 @@ def records(path: str, key: dict) -> list[dict]:
         return []
     latest = {}  # one line per (method, target, seed): the last one recorded
     for r in map(json.loads, Path(path).read_text().splitlines()):
-        if "method" in r and same_recipe(r.get("recipe"), key, r["method"]):
+        if r.get("record", "run") == "run" and "method" in r and split_of(r) == "test" and same_recipe(r.get("recipe"), key, r["method"]):
             latest[r["method"], r["target"], r["seed"]] = r
     return list(latest.values())
 
@@ -127,9 +145,7 @@ def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
     if counts:
         rows.append(f"\ntest images: {counts['light_count']} with light strokes, {counts['dark_count']} with dark")
     if {"source_only", "dann", "dsn_dann"} <= set(means):
-        gain = 100 * (means["dsn_dann"] - means["source_only"])
-        verdict = gain >= 15 and means["dsn_dann"] >= means["dann"]
-        rows.append(f"bar (dsn_dann >= source_only + 15 points and >= dann): dsn_dann - source_only = {gain:+.1f} "
-                    f"points, dsn_dann - dann = {100 * (means['dsn_dann'] - means['dann']):+.1f}: "
-                    f"{'MET' if verdict else 'NOT MET'}")
+        rows += verdict({m: {r["seed"]: r["target_acc"] for r in lines if r["method"] == m and r["target"] == target
+                             and r["seed"] in seeds} for m in ("source_only", "dann", "dsn_dann")},
+                        selected_on=selected_on_of(lines))
     return "\n".join(rows)

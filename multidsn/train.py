@@ -5,11 +5,13 @@ Two recipes (``--recipe``):
 - ``paper`` (the default): Bousmalis et al. (2016)'s MNIST -> MNIST-M configuration (``multidsn.recipes``)
   on real MNIST digits and an MNIST-M-style target (``multidsn.mnist``). Every row of ``--methods``
   (source-only, DANN alone, DSN with MMD, DSN with DANN, target-only) is trained for every seed and appended
-  to ``results/multidsn_paper.jsonl``, one line per (method, target, seed); a rerun skips what is recorded
-  (``multidsn.paper``), then prints the table (``multidsn.paper_cli``).
+  to ``--out`` (default ``runs/multidsn_paper.jsonl``, never the committed ``results/`` file unless named),
+  one line per (method, target, seed); a rerun skips what is recorded (``multidsn.paper``), then prints the
+  table (``multidsn.paper_cli``). ``--report`` alone prints the committed records' table.
 - ``demo``: the earlier recipe: a DSN and a source-only baseline (the same network with the warm-up never
   ending) per seed on scikit-learn's digits and procedural targets, with Adam and MMD, on a local World
-  or in this process; lines in ``results/multidsn_train.jsonl`` with a summary of the gain over the seeds.
+  or in this process; lines in ``--out`` (default ``runs/multidsn_train.jsonl``) with a summary of the gain
+  over the seeds.
 """
 
 from __future__ import annotations
@@ -46,9 +48,19 @@ RECIPE_DEFAULTS = {
     "steps": (PAPER.steps, 3000), "warmup": (PAPER.warmup, None), "batch_size": (PAPER.batch_size, 32),
     "lr": (PAPER.lr, None), "momentum": (PAPER.momentum, 0.9), "alpha": (PAPER.alpha, 0.1),
     "beta": (PAPER.beta, 0.05), "gamma": (PAPER.gamma, 1.0), "placement": ("single", "domain"),
-    "out": ("results/multidsn_paper.jsonl", "results/multidsn_train.jsonl"), "log_every": (500, 100),
+    "out": ("runs/multidsn_paper.jsonl", "runs/multidsn_train.jsonl"), "log_every": (500, 100),
     "grl_schedule": (PAPER.grl_schedule, "constant"),
 }
+
+
+COMMITTED = {"paper": "results/multidsn_paper.jsonl", "demo": "results/multidsn_train.jsonl"}
+"""The records committed with the repository: what ``--report`` reads when no ``--out`` is given. Training
+never appends to them unless ``--out`` names them: a fresh clone's ``python -m multidsn.train`` retrains."""
+QUICK = {"paper": dict(steps=300, warmup=100, lr_decay_steps=100, seeds=[0], log_every=100,
+                       out="runs/multidsn_paper_quick.jsonl"),
+         "demo": dict(steps=300, seeds=[0], placement="single", log_every=100, out="runs/multidsn_train_quick.jsonl")}
+"""``--quick``: one seed of every row, 300 steps (the paper recipe's schedule compressed alike): a smoke run of a
+few minutes on 2 cores whose numbers are not results. Options given on the command line win."""
 
 
 def _both(name: str, demo_note: str = "") -> str:
@@ -92,7 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: separate)")
     p.add_argument("--workers", type=int, default=None,
                    help="World size (default: what the placement needs)")
-    p.add_argument("--out", default=None, help="JSON-lines file the results are appended to " + _both("out"))
+    p.add_argument("--out", default=None,
+                   help="JSON-lines file the results are appended to, and read to skip what it holds; with "
+                        f"--report and no --out, the committed records ({COMMITTED['paper']} with --recipe paper, "
+                        f"{COMMITTED['demo']} with --recipe demo) " + _both("out"))
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run of a few minutes: seed 0, 300 steps (paper recipe: warm-up 100, decay every 100), "
+                        "records in runs/multidsn_<recipe>_quick.jsonl; not results (default: off)")
     p.add_argument("--log-every", type=int, default=None, help="steps between history entries " + _both("log_every"))
     p.add_argument("--collapse-ratio", type=float, default=0.01,
                    help="private codes count as collapsed below this fraction of the shared codes' norm "
@@ -121,14 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"learning rate of the dsn_mmd row, which diverged at 0.02 (default: {PAPER.lr_mmd})")
     paper.add_argument("--lr-decay", type=float, default=PAPER.lr_decay,
                        help=f"staircase learning-rate decay factor (default: {PAPER.lr_decay})")
-    paper.add_argument("--lr-decay-steps", type=int, default=PAPER.lr_decay_steps,
-                       help=f"steps between two learning-rate decays (default: {PAPER.lr_decay_steps})")
+    paper.add_argument("--lr-decay-steps", type=int, default=None,
+                       help=f"steps between two learning-rate decays (default: {PAPER.lr_decay_steps}; 100 with "
+                            f"--quick)")
     paper.add_argument("--jobs", type=int, default=1,
                        help="models trained at once, each in a process of its own with --threads threads; the "
                             "(method, seed) runs go longest first, and each line is appended whole, so the "
                             "results file is the one a single process writes (default: 1)")
+    paper.add_argument("--tune", action="store_true",
+                       help="choose every row's settings without the test set (multidsn/paper_tuning.py): "
+                            "--trials settings per row scored on a labelled target validation split, then the "
+                            "chosen ones on the fresh --seeds (default 10-14) scored on the test digits, with 95%% "
+                            "intervals and paired differences; records in --out (default runs/multidsn_tuning.jsonl) "
+                            "(default: off)")
+    paper.add_argument("--trials", type=int, default=4,
+                       help="with --tune: settings tried per row, the same for every row (default: 4)")
+    paper.add_argument("--tune-seeds", type=_seed_list, default=[100],
+                       help="with --tune: seeds of the tuning runs, never among --seeds (default: 100)")
+    paper.add_argument("--val-per-class", type=int, default=100,
+                       help="with --tune: training digits per class held out of every training split as the "
+                            "labelled target validation split (default: 100)")
     paper.add_argument("--report", action="store_true",
-                       help="train nothing: print the table of what --out holds for this recipe (default: off)")
+                       help=f"train nothing: print the table of what --out holds for this recipe; without --out, of "
+                            f"the committed {COMMITTED['paper']} (default: off)")
     demo = p.add_argument_group("demo recipe")
     demo.add_argument("--targets", type=int, default=2,
                       help="K, the number of target domains (procedural: 1-7, the first K of multidsn.shifts.SHIFTS) "
@@ -160,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="steps between checkpoints, 0: none (default: 250)")
     demo.add_argument("--resume", action="store_true",
                       help="continue an interrupted run from --checkpoint (same arguments otherwise); seeds already "
-                           "finished are not trained or written again (default: off)")
+                           "finished are not trained or written again (default: off). The paper recipe needs no "
+                           "flag: rerun the same command and it trains only the (method, seed) not yet in --out")
     progress.add_arguments(p)
     return p
 
@@ -168,6 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     column = RECIPES.index(args.recipe)
+    if args.tune:
+        if args.recipe != "paper":
+            raise SystemExit("--tune is for --recipe paper")
+        args.out = args.out or ("runs/multidsn_tuning_quick.jsonl" if args.quick else "runs/multidsn_tuning.jsonl")
+        args.seeds = args.seeds or ([10, 11] if args.quick else [10, 11, 12, 13, 14])
+        if args.quick and args.trials == 4:
+            args.trials = 2
+    if args.out is None and getattr(args, "report", False):
+        args.out = COMMITTED[args.recipe]
+    if args.quick:
+        for name, value in QUICK[args.recipe].items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = PAPER.lr_decay_steps
     for name, values in RECIPE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, values[column])

@@ -2,23 +2,33 @@
 
     python -m plots.context results/context.jsonl --out figures/context
 
-Each method's line is its mean accuracy over seeds; the shaded band spans the seeds' min to max and
-every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one tile.
+Each method's line is its mean accuracy over seeds; the shaded band is the mean's 95% interval
+(Student's t over the seeds, ``multidsn.intervals``; none with one seed) and every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one tile.
 """
 
 from __future__ import annotations
 
 
+from multidsn.intervals import interval
+
 from .output import cli, footer, save
 
-COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green"}
+COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green", "transmil": "tab:red",
+          "tilegrid": "tab:purple"}
 LABELS = {"whole": "whole image (bigconv, {p} processes)", "mil": "tiles + attention MIL (torchmil ABMIL)",
-          "downsampled": "downsampled {k}x per side"}
+          "downsampled": "downsampled {k}x per side", "transmil": "tiles + TransMIL (PPEG positions)",
+          "tilegrid": "tile-grid CNN (8x8 tile embeddings)"}
 
 
 def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
-    """Write ``stem``.png and .pdf; the paths (none without records)."""
-    recs = [r for r in recs if r.get("bench") == "context"]
+    """Write ``stem``.png and .pdf (``stem``_<task> for each task when the records hold several); the paths
+    (none without records). Only test-split runs are drawn (not the learning-rate trials)."""
+    recs = [r for r in recs if r.get("bench") == "context" and r.get("record", "run") == "run"
+            and r.get("split", "test") == "test"]
+    tasks = sorted({r.get("task", "order") for r in recs})
+    if len(tasks) > 1:
+        return [p for t in tasks for p in draw([r for r in recs if r.get("task", "order") == t], f"{stem}_{t}",
+                                               f"{title} task {t}" if title else f"task {t}")]
     if not recs:
         return []
     import matplotlib
@@ -39,7 +49,10 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
         lo, hi = min(map(len, acc)), max(map(len, acc))
         seeds = f"{lo} seeds" if lo == hi else f"{lo}-{hi} seeds"
         ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} ({seeds})")
-        ax.fill_between(dials, [min(a) for a in acc], [max(a) for a in acc], color=COLORS[method], alpha=0.15)
+        ivs = [interval(a) for a in acc]
+        if all(iv.low is not None for iv in ivs):
+            ax.fill_between(dials, [iv.low for iv in ivs], [iv.high for iv in ivs], color=COLORS[method],
+                            alpha=0.15)
         for d, a in zip(dials, acc):
             ax.scatter([d] * len(a), a, s=8, color=COLORS[method], alpha=0.6)
     ax.axhline(0.5, ls="--", color="grey", lw=1, label="chance")

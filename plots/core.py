@@ -20,7 +20,7 @@ def load(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def draw(records: list[dict], source: str, out_dir: str) -> list[str]:
+def draw(records: list[dict], source: str, out_dir: str, name: str = "core_memory") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -45,7 +45,7 @@ def draw(records: list[dict], source: str, out_dir: str) -> list[str]:
              f"GPU {env['gpu']}, torch {env['torch']}", fontsize=6)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, f"core_memory.{ext}") for ext in ("png", "pdf")]
+    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("png", "pdf")]
     for path in paths:
         fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -101,7 +101,7 @@ def test_quick_run_writes_records_and_a_rerun_skips_them(tmp_path, exclusive):
     context.main(["--quick", "--out", str(out), "--figure", str(fig)])
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     s = context.quick_setting()
-    assert len(recs) == len(s.dials) * len(s.seeds) * 3
+    assert len(recs) == len(s.dials) * len(s.seeds) * len(context.METHODS)
     assert {(r["method"], r["dial"], r["seed"]) for r in recs} == \
         {(m, d, k) for m in context.METHODS for d in s.dials for k in s.seeds}
     for r in recs:
@@ -113,7 +113,8 @@ def test_quick_run_writes_records_and_a_rerun_skips_them(tmp_path, exclusive):
         assert r["image_size"] == 128 and r["tile_size"] == 32 and r["steps"] == s.steps
         assert r["distance_px"] == round(r["dial"] * 32)
         assert r["processes"] == (4 if r["method"] == "whole" else 1)
-        assert r["input_size"] == {"whole": 128, "mil": 32, "downsampled": 64}[r["method"]]
+        assert r["input_size"] == {"whole": 128, "mil": 32, "transmil": 32, "tilegrid": 32,
+                                   "downsampled": 64}[r["method"]]
     assert all(r["grid"] == [2, 2] for r in recs if r["method"] == "whole")
     assert os.path.exists(f"{fig}.png") and os.path.exists(f"{fig}.pdf")
     context.main(["--quick", "--out", str(out), "--figure", str(fig)])  # everything recorded: nothing runs

@@ -125,7 +125,7 @@ def test_help_names_every_default_and_the_command():
     parser = train.build_parser()
     assert parser.format_help().startswith("usage: python -m multidsn.train")
     p = train.parse_args([])
-    assert (p.recipe, p.steps, p.lr, p.lr_mmd, p.out) == ("paper", 5000, 0.02, 0.01, "results/multidsn_paper.jsonl")
+    assert (p.recipe, p.steps, p.lr, p.lr_mmd, p.out) == ("paper", 5000, 0.02, 0.01, "runs/multidsn_paper.jsonl")
     assert train.parse_args(["--recipe", "demo"]).lr is None  # demo: 1e-3 for adam, 0.01 for sgd
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):

@@ -57,8 +57,8 @@ def test_plots_command_draws_every_figure(results_file, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     names = sorted(os.listdir(out))
-    assert names == sorted(f"fixture_{k}.{e}" for k in ("memory", "util", "scaling", "maxsize") for e in ("png", "pdf"))
-    assert "bench_core.jsonl: no sweep or size-search records; skipped" in run.stdout
+    assert names == sorted([f"fixture_{k}.{e}" for k in ("memory", "util", "scaling", "maxsize") for e in ("png", "pdf")]
+                           + [f"bench_core_memory.{e}" for e in ("png", "pdf")])  # the core benchmark: plots.core
     for name in names:
         assert os.path.getsize(out / name) > 5000
     pdf = (out / "fixture_memory.pdf").read_bytes()
