@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .compat import install_import_guard
+from .import_guard import install_import_guard
 
 if TYPE_CHECKING:
     from .ops.shards import UnsupportedOperation

@@ -10,22 +10,14 @@ are plain Python and need none of those ops.
 cannot load; calling an op then still fails with torchvision's own error. Workers call it at
 startup, so a torchvision model pickled by the driver unpickles there too.
 
-Import order must not matter (``import timm`` first is what most scripts do), so the fix is applied
-by the environment, not by ``import bigconv``: the package declares ``torch_plugin`` under torch's
-``torch.backends`` entry points (``pyproject.toml``), which ``import torch`` calls at its end in
-every interpreter of an environment where bigconv is installed (editable or not: entry points are
-package metadata). The plugin only installs ``TorchvisionGuard``, a finder that applies the fix the
-first time a torchvision module is looked up, so nothing is loaded where torchvision is never
-imported, and where its compiled ops load (a cluster's matching CUDA build) the fix does nothing.
-``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns torch's plugins off, this one included.
+Import order must not matter: ``bigconv.import_guard`` applies this fix from ``import torch``,
+whichever library is imported first.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import logging
-import sys
 from pathlib import Path
 
 import torch
@@ -39,7 +31,9 @@ def allow_torchvision_without_ops() -> bool:
     global _LIB
     if _LIB is not None:
         return True
-    spec = importlib.util.find_spec("torchvision")
+    spec = importlib.util.find_spec("torchvision")  # may run bigconv.import_guard's finder, and this function
+    if _LIB is not None:  # ... which then did the work
+        return True
     if spec is None or spec.origin is None:
         return False
     for library in sorted(Path(spec.origin).parent.glob("_C*.so")):
@@ -54,38 +48,3 @@ def allow_torchvision_without_ops() -> bool:
     log.info("torchvision's compiled ops cannot load here; its models are usable, its detection ops are not")
     return True
 
-
-class TorchvisionGuard(importlib.abc.MetaPathFinder):
-    """Applies ``allow_torchvision_without_ops`` at the first lookup of ``torchvision`` or one of its
-    modules (the plugin may be installed while ``import torchvision`` is already running, by the
-    ``import torch`` it starts: its ``extension`` module comes next). It never finds anything itself,
-    and it stays in ``sys.meta_path`` (removing a finder while the import system walks that list
-    would skip the next one)."""
-
-    def __init__(self) -> None:
-        self.done = False
-
-    def find_spec(self, name, path=None, target=None):
-        if not self.done and (name == "torchvision" or name.startswith("torchvision.")):
-            self.done = True  # first: the fix looks torchvision up itself
-            try:
-                allow_torchvision_without_ops()
-            except Exception as exc:  # never break an import over a fix for another import
-                log.warning("bigconv could not check torchvision's compiled ops: %s: %s", type(exc).__name__, exc)
-        return None
-
-
-def install_import_guard() -> None:
-    """Put one ``TorchvisionGuard`` first in ``sys.meta_path`` (idempotent)."""
-    if not any(isinstance(f, TorchvisionGuard) for f in sys.meta_path):
-        sys.meta_path.insert(0, TorchvisionGuard())
-
-
-def torch_plugin() -> None:
-    """torch's ``torch.backends`` entry point (see the module doc): called at the end of ``import
-    torch``; it must never raise, since torch would then fail to import. (Loading it imports the
-    ``bigconv`` package, whose ``__init__`` installs the guard too, for a checkout on PYTHONPATH.)"""
-    try:
-        install_import_guard()
-    except Exception:  # pragma: no cover - a broken sys.meta_path is not ours to report from here
-        pass

@@ -6,7 +6,7 @@ torchvision::nms does not exist`` unless the fix in ``bigconv.compat`` ran first
 runs it from torch's ``torch.backends`` entry point (``pyproject.toml``). The fresh interpreters here
 see that entry point through a dist-info written from ``pyproject.toml``'s own declaration, so the test
 holds whether or not the environment's bigconv was installed before the declaration existed. A failure
-points at ``bigconv.compat.torch_plugin`` / ``TorchvisionGuard`` or at the declaration.
+points at ``bigconv.import_guard`` (the plugin, the guard) or at the declaration.
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ def _run(code: str, site: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_the_entry_point_is_declared_and_callable():
-    assert _declared() == {"bigconv_torchvision_guard": "bigconv.compat:torch_plugin"}
-    from bigconv import compat
+    assert _declared() == {"bigconv_torchvision_guard": "bigconv.import_guard:torch_plugin"}
+    from bigconv import import_guard
 
-    compat.torch_plugin()  # idempotent: one guard, whatever the calls
-    assert sum(isinstance(f, compat.TorchvisionGuard) for f in sys.meta_path) == 1
+    import_guard.torch_plugin()  # idempotent: one guard, whatever the calls
+    import_guard.torch_plugin()
+    assert sum(isinstance(f, import_guard.TorchvisionGuard) for f in sys.meta_path) == 1
 
 
 @pytest.mark.timeout(300)
@@ -66,8 +67,8 @@ def test_each_library_imports_first_in_a_fresh_interpreter(site, library):
     done = _run(code, site)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "imported" in done.stdout
-    # The plugin loads only bigconv's root and compat, never its runtime.
-    assert "['bigconv', 'bigconv.compat']" in done.stdout, done.stdout
+    # The plugin loads only bigconv's root, the guard and compat, never its runtime.
+    assert "['bigconv', 'bigconv.compat', 'bigconv.import_guard']" in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(300)
@@ -101,3 +102,15 @@ def test_without_the_plugin_this_environment_fails(site):
         pytest.skip("torchvision's compiled ops load in this environment: there is nothing for the plugin to fix")
     done = _run("import timm", site, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert done.returncode != 0 and "torchvision::nms does not exist" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_calling_the_fix_directly_beside_the_guard(site):
+    """bigconv imported first (torch's plugin then loads while bigconv is half imported), and the fix called
+    directly as workers and the test zoo do: the guard must not run it a second time from inside that call
+    (torch refuses a second library for one namespace)."""
+    code = ("import bigconv.compat as c\n"
+            "c.allow_torchvision_without_ops(); c.allow_torchvision_without_ops()\n"
+            "import timm\nprint('ok')")
+    done = _run(code, site)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
