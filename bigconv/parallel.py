@@ -184,6 +184,11 @@ class ParallelModel:
                              f"inference call {shards[0].call}")
         return self._assemble(plan, results, grad=False)
 
+    def full(self, x: torch.Tensor) -> torch.Tensor:
+        """The full output on the driver, without gradients: ``net(x)`` (the SPMD mode's name for it, where
+        ``net(x)`` is a rank's share)."""
+        return self(x)
+
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024) -> str:
         """Write the dense output for ``x`` (a tensor, or a list of image sources) into a zarr array at
         ``out``, each worker writing its own region; nothing the size of the output reaches the driver.

@@ -115,10 +115,10 @@ class Planner:
         ValueError when this model's output is not one dense map."""
         if plan.several:
             raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
-                             "use net(x) for them, or predict with a wrapper returning the one map to write")
+                             "use net.full(x) for them, or predict with a wrapper returning the one map to write")
         if plan.out_shape is None:
             raise ValueError("predict writes a dense map, but this model's output is one vector per image "
-                             "(replicated after pooling); use net(x) for it")
+                             "(replicated after pooling); use net.full(x) for it")
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
         return chunks, str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
 
