@@ -96,6 +96,7 @@ class ParallelModel:
         """One forward, backward and optimizer step on the whole batch; returns the loss."""
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+        refuse_autocast("net.train_step")
         plan = self.plan(x)
         dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
         shards = self._shard_calls(plan, x, y if dense else None, loss_fn)
@@ -157,6 +158,7 @@ class ParallelModel:
         What a single process gets from ``loss_fn(model(x), y).backward()``: the evidence, layer
         by layer, that the distributed backward pass is the single-process one.
         """
+        refuse_autocast("net.gradients")
         plan = self.plan(x)
         self.planner.check_loss(plan, x, y, loss_fn)
         shards = self._shard_calls(plan, x)
@@ -178,6 +180,7 @@ class ParallelModel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The full output on the driver, without gradients."""
+        refuse_autocast("net(x)")
         plan = self.plan(x)
         shards = self._shard_calls(plan, x)
         results = self._wait(self._launch("forward", [(s, None, False) for s in shards]),
@@ -199,6 +202,7 @@ class ParallelModel:
         a failed run leaves the old output as it was."""
         from .data import outputs
 
+        refuse_autocast("net.predict")
         plan = self.plan(x)
         chunks, dtype = self.planner.prediction(plan, x, max_chunk)
         path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
@@ -309,6 +313,19 @@ class ParallelModel:
 
     def eval(self) -> "ParallelModel":
         return self.train(False)
+
+
+def refuse_autocast(what: str) -> None:
+    """``torch.autocast`` is a setting of the calling thread: around a driver call it cannot reach the
+    workers' processes, and the result would silently be one precision where one process gives another.
+    Refused before any remote work."""
+    on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    if on:
+        raise ValueError(
+            f"torch.autocast({on[0]!r}) is on around {what}, but the driver mode runs the model in the workers' "
+            "processes, which the driver's autocast does not reach (the output would silently keep the model's "
+            "dtype); put the autocast inside the model's forward (it then runs on the workers), or train with "
+            "your own loop on an SPMD world, where autocast applies (docs/loop.md)")
 
 
 def check_transport(transport) -> None:
