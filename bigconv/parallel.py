@@ -71,6 +71,7 @@ class ParallelModel:
         self._calls = itertools.count(1)
         self.has_optimizer = False
         self.optimizer_class: str | None = None
+        self.optimizer_groups: list[int] | None = None
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
         self.seed = random_seed(seed)
@@ -85,29 +86,40 @@ class ParallelModel:
         return self.planner.plan(x, self.training)
 
     # -- training API -----------------------------------------------------------------------------
-    def optimizer(self, cls: type, **kwargs) -> None:
-        """Create a replicated optimizer ``cls(params, **kwargs)`` on every worker."""
-        input_checks.check_optimizer_class(cls)
-        self._all("make_optimizer", (cls, kwargs), "creating the optimizer")
+    def optimizer(self, cls, /, *, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
+                  **kwargs) -> None:
+        """Create a replicated optimizer on every worker: ``cls(params, **kwargs)``, or, given a factory,
+        ``factory(named_parameters)`` (a list of ``(name, parameter)``: param groups by name). ``scheduler``:
+        a factory ``optimizer -> scheduler``, stepped after every optimizer step. ``clip_grad_norm``: clip the
+        summed gradients to this global norm before each step. Classes and functions of your script travel
+        by value (cloudpickle). Everything is tried on a meta copy of the model first."""
+        spec = input_checks.optimizer_spec(self.planner.meta, cls, kwargs, scheduler, clip_grad_norm)
+        payload = input_checks.by_value(spec, "the optimizer (its class or factory, and the scheduler factory)")
+        made = self._all("make_optimizer", (payload,), "creating the optimizer")
         self.has_optimizer = True
-        self.optimizer_class = saving.class_name(cls)
+        self.optimizer_class, self.optimizer_groups = made[0]["class"], made[0]["groups"]
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float:
-        """One forward, backward and optimizer step on the whole batch; returns the loss."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, *, step: bool = True) -> float:
+        """One forward, backward and optimizer step on the whole batch; returns the loss. ``step=False``:
+        the gradients wait on the workers (unsummed, as under DDP's ``no_sync``) and add to the next call's,
+        which sums them all and steps: accumulation over micro-batches."""
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         refuse_autocast("net.train_step")
+        if not step and self.transport == "rpc":
+            raise ValueError("train_step(..., step=False) accumulates on the p2p transport only; use "
+                             "parallelize(..., transport='p2p') (the default)")
         plan = self.plan(x)
         dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
         shards = self._shard_calls(plan, x, y if dense else None, loss_fn)
         if self.transport == "rpc":
             loss = self._rpc_step(plan, shards, y, loss_fn if dense else None, loss_fn)
         elif dense:  # one command per worker: the shard-step of an SPMD rank
-            loss = self._wait(self._launch("step", [(StepCommand(s, PerShardLoss(loss_fn)),) for s in shards]),
-                              f"step {shards[0].call}")[0]
+            cmds = [(StepCommand(s, PerShardLoss(loss_fn), accumulate=not step),) for s in shards]
+            loss = self._wait(self._launch("step", cmds), f"step {shards[0].call}")[0]
         else:
-            loss, _ = self._loss_on_driver(plan, shards, y, loss_fn, grad=True, gradients=False)
-        self.steps += 1
+            loss, _ = self._loss_on_driver(plan, shards, y, loss_fn, grad=True, gradients=False, accumulate=not step)
+        self.steps += int(step)
         return float(loss)
 
     def _rpc_step(self, plan: Plan, shards: list[ShardCall], y, shard_loss, loss_fn: Callable) -> torch.Tensor:
@@ -124,7 +136,8 @@ class ParallelModel:
             self._all("step_from_context", (ctx,), f"optimizer step {call}")
         return loss.detach()
 
-    def _loss_on_driver(self, plan: Plan, shards: list[ShardCall], y, loss_fn: Callable, grad, gradients: bool):
+    def _loss_on_driver(self, plan: Plan, shards: list[ShardCall], y, loss_fn: Callable, grad, gradients: bool,
+                        accumulate: bool = False):
         """The ``p2p`` transport with a loss the driver computes on the whole output: the workers keep
         their forward; the driver sends each the gradient of its part of the output in a step command;
         they run backward, the gradient sum and the step (or, with ``gradients``, return them). Two
@@ -149,7 +162,8 @@ class ParallelModel:
         if not plan.several:  # one output: the gradient itself
             grads = [g[0] for g in grads]
         what = f"backward of call {call}" if gradients else f"backward and optimizer step {call}"
-        commands = [(StepCommand(s, OutputGradients(g), grad=grad, gradients=gradients),) for s, g in zip(shards, grads)]
+        commands = [(StepCommand(s, OutputGradients(g), grad=grad, gradients=gradients, accumulate=accumulate),)
+                    for s, g in zip(shards, grads)]
         return loss.detach(), self._wait(self._launch("step", commands), what)
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
@@ -297,7 +311,7 @@ class ParallelModel:
         """
         path = str(path)
         ck = saving.read(path)
-        self.planner.check_checkpoint(ck, self.optimizer_class, path)
+        self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
         self.world.call_part(self.id, "load_checkpoint", [(ck["model"], ck.get("optimizer"), r) for r in rngs],

@@ -175,8 +175,9 @@ class ModelPart:
         out = self.forward(shard, grad=False)
         outputs.write(path, box_index(box, out.dim()), out.numpy())
 
-    def make_optimizer(self, cls, kwargs: dict) -> None:
-        self.engine.make_optimizer(cls, kwargs)
+    def make_optimizer(self, spec: bytes) -> dict:
+        """``spec``: ``ShardEngine.make_optimizer``'s arguments, pickled by value on the driver."""
+        return self.engine.make_optimizer(**pickle.loads(spec))
 
     # -- a step on the p2p transport: the shard-step of every SPMD rank, fed by the driver's commands ------
     def step(self, cmd: StepCommand):

@@ -86,6 +86,7 @@ class SpmdModel(nn.Module):
         self._call = 0
         self.steps = 0
         self.optimizer_class: str | None = None
+        self.optimizer_groups: list[int] | None = None
         self.mesh = world.mesh(replicas)
         self.stats = new_stats()
         rt = shard_runtime(self.mesh, world.device, world.timeout, self.stats, world.grad_group, world.checks,
@@ -268,10 +269,14 @@ class SpmdModel(nn.Module):
         return loss
 
     # -- training API -----------------------------------------------------------------------------------
-    def optimizer(self, cls: type, **kwargs) -> None:
-        input_checks.check_optimizer_class(cls)
-        self.engine.make_optimizer(cls, kwargs)
-        self.optimizer_class = saving.class_name(cls)
+    def optimizer(self, cls, /, *, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
+                  **kwargs) -> None:
+        """``train_step``'s optimizer (the driver mode's arguments: a class and its arguments, or a factory
+        ``named_parameters -> Optimizer``; a scheduler factory; ``clip_grad_norm``). The native loop needs
+        none: make your own over ``net.parameters()``."""
+        spec = input_checks.optimizer_spec(self.planner.meta, cls, kwargs, scheduler, clip_grad_norm)
+        made = self.engine.make_optimizer(**spec)
+        self.optimizer_class, self.optimizer_groups = made["class"], made["groups"]
 
     def _command(self, plan: Plan, x, y, loss_fn, **how) -> StepCommand:
         """A per-shard loss takes this rank's box of the targets; any other loss sees the whole batch's
@@ -282,13 +287,15 @@ class SpmdModel(nn.Module):
         shard = self._shard_call(plan, x)
         return StepCommand(shard, WholeOutputLoss(loss_fn, y, plan), **how)
 
-    def train_step(self, x, y, loss_fn: Callable) -> float:
+    def train_step(self, x, y, loss_fn: Callable, *, step: bool = True) -> float:
+        """Forward, loss, backward, the gradient sum and the optimizer step; ``step=False`` keeps the
+        gradients, unsummed, for the next call (accumulation)."""
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
         plan = self.plan(x, loss_fn)
-        cmd = self._command(plan, x, y, loss_fn)
+        cmd = self._command(plan, x, y, loss_fn, accumulate=not step)
         loss = shard_step.run(self.engine, cmd).loss
-        self.steps += 1
+        self.steps += int(step)
         return float(loss)
 
     def gradients(self, x, y, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
@@ -393,7 +400,7 @@ class SpmdModel(nn.Module):
     def load(self, path) -> "SpmdModel":
         path = str(path)
         ck = saving.read(path)
-        self.planner.check_checkpoint(ck, self.optimizer_class, path)
+        self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
         self.engine.load(ck["model"], ck.get("optimizer"))
         if ck.get("workers") == self.world.size:
             set_rng_state(ck["rng"]["workers"][self.world.rank], torch.device("cpu"))
