@@ -72,8 +72,11 @@ class ParallelModel:
         self.has_optimizer = False
         self.optimizer_class: str | None = None
         self.optimizer_groups: list[int] | None = None
+        self.has_scheduler = False
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
+        self.epoch: int | None = None
+        """What the last ``save(..., epoch=)`` or ``load`` recorded: where a resumed run's loop starts."""
         self.seed = random_seed(seed)
         payload = to_payload(model)
         install = (payload, transport, self.seed, self.compile)
@@ -98,6 +101,7 @@ class ParallelModel:
         made = self._all("make_optimizer", (payload,), "creating the optimizer")
         self.has_optimizer = True
         self.optimizer_class, self.optimizer_groups = made[0]["class"], made[0]["groups"]
+        self.has_scheduler = scheduler is not None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, *, step: bool = True) -> float:
         """One forward, backward and optimizer step on the whole batch; returns the loss. ``step=False``:
@@ -290,8 +294,9 @@ class ParallelModel:
         n = workers or self.world.workers
         return self.world.call_part(self.id, "state_dict", [()] * n, "reading weights", workers=range(n))
 
-    def save(self, path, extra: dict | None = None) -> str:
-        """Write weights, optimizer state, step count and generator states to ``path`` atomically.
+    def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
+        """Write weights, optimizer and scheduler state, step count, ``epoch`` and generator states to ``path``
+        atomically: what a preempted run needs to resume exactly (``load``).
 
         The file loads into a plain model and optimizer too (see ``bigconv.saving``). ``extra``: plain
         data kept under ``"extra"`` (e.g. ``{"classes": dataset.classes}``).
@@ -299,9 +304,11 @@ class ParallelModel:
         self.world.check_usable()
         parts = self.world.call_part(self.id, "checkpoint_state", [(i == 0,) for i in range(self.world.workers)],
                                      "saving a checkpoint")
+        self.epoch = epoch if epoch is not None else self.epoch
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
-                               grid=list(self.grid) if self.grid else None, extra=extra or {})
+                               grid=list(self.grid) if self.grid else None, extra=extra or {},
+                               scheduler=parts[0]["scheduler"], epoch=self.epoch)
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":
@@ -312,11 +319,14 @@ class ParallelModel:
         path = str(path)
         ck = saving.read(path)
         self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
+        saving.check_scheduler_state(ck.get("scheduler"), self.has_scheduler, path)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
-        self.world.call_part(self.id, "load_checkpoint", [(ck["model"], ck.get("optimizer"), r) for r in rngs],
+        self.world.call_part(self.id, "load_checkpoint",
+                             [(ck["model"], ck.get("optimizer"), r, ck.get("scheduler")) for r in rngs],
                              "loading a checkpoint")
         self.steps = int(ck.get("step", 0))
+        self.epoch = ck.get("epoch")
         torch.set_rng_state(ck["rng"]["driver"])
         return self
 

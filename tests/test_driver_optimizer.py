@@ -157,3 +157,42 @@ def test_a_class_and_a_factory_of_the_users_script_travel_by_value(tmp_path, exc
     for how in ("class", "factory"):
         name, err = lines[how]
         assert name == "__main__.ClipSGD" and float(err) <= TOL, (how, lines[how])
+
+
+@pytest.mark.world(2)
+@pytest.mark.timeout(300)
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(world, tmp_path):
+    """save after 2 of 4 steps (optimizer, scheduler, step, epoch), load into a freshly made model, 2 more
+    steps: the weights, learning rates and step count of the run that never stopped (issue 38, item 5)."""
+    def fresh(seed):
+        torch.manual_seed(seed)
+        net = bigconv.parallelize(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
+                                                nn.Conv2d(4, 2, 3, padding=1)).double(), world, grid=(2, 1))
+        net.optimizer(lambda named: torch.optim.AdamW(groups(named), lr=0.05),
+                      scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine), clip_grad_norm=0.05)
+        return net
+
+    batches = data() + data()[:2]
+
+    def steps(net, which):
+        for s in which:
+            (x1, y1), (x2, y2) = batches[2 * s: 2 * s + 2]
+            net.train_step(x1, y1, nn.MSELoss(), step=False)
+            net.train_step(x2, y2, nn.MSELoss())
+
+    whole = fresh(0)
+    steps(whole, range(4))
+    first = fresh(0)
+    steps(first, range(2))
+    path = first.save(tmp_path / "ck.pt", epoch=1)
+    resumed = fresh(7).load(path)
+    assert resumed.epoch == 1 and resumed.steps == 2
+    steps(resumed, range(2, 4))
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), {k: rel(b[k], a[k]) for k in a}
+    ck = torch.load(path, weights_only=True)
+    assert ck["scheduler"]["last_epoch"] == 2 and ck["epoch"] == 1
+    plain = bigconv.parallelize(model(), world, grid=(2, 1))
+    plain.optimizer(lambda named: torch.optim.AdamW(groups(named), lr=0.05))
+    with pytest.raises(ValueError, match="scheduler"):
+        plain.load(path)

@@ -165,7 +165,13 @@ class ShardEngine:
     def optimizer_state(self) -> dict | None:
         return saving.to_cpu(self.opt.state_dict()) if self.opt is not None else None
 
-    def load(self, model_state: dict, optimizer_state: dict | None) -> None:
+    def scheduler_state(self) -> dict | None:
+        return saving.to_cpu(self.scheduler.state_dict()) if self.scheduler is not None else None
+
+    def load(self, model_state: dict, optimizer_state: dict | None, scheduler_state: dict | None = None) -> None:
         self.model.load_state_dict(model_state)
         if optimizer_state is not None:
             self.opt.load_state_dict(optimizer_state)
+        if scheduler_state is not None:
+            self.scheduler.load_state_dict(scheduler_state)
+        self.accumulating = False

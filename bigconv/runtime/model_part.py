@@ -227,9 +227,11 @@ class ModelPart:
         if full:
             state["model"] = self.state_dict()
             state["optimizer"] = self.engine.optimizer_state()
+            state["scheduler"] = self.engine.scheduler_state()
         return state
 
-    def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None) -> None:
-        self.engine.load(model_state, optimizer_state)
+    def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None,
+                        scheduler_state: dict | None = None) -> None:
+        self.engine.load(model_state, optimizer_state, scheduler_state)
         if rng is not None:
             set_rng_state(rng, self.rt.device)

@@ -87,6 +87,7 @@ class SpmdModel(nn.Module):
         self.steps = 0
         self.optimizer_class: str | None = None
         self.optimizer_groups: list[int] | None = None
+        self.epoch: int | None = None
         self.mesh = world.mesh(replicas)
         self.stats = new_stats()
         rt = shard_runtime(self.mesh, world.device, world.timeout, self.stats, world.grad_group, world.checks,
@@ -385,14 +386,16 @@ class SpmdModel(nn.Module):
         dist.all_gather_object(parts, self.engine.state_dict())
         return parts[: workers or self.world.size]
 
-    def save(self, path, extra: dict | None = None) -> str:
-        """Rank 0 writes the file (the driver mode's format, ``extra`` included); every rank returns once
-        it is on disk."""
+    def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
+        """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state and ``epoch``
+        included); every rank returns once it is on disk."""
         rngs = [None] * self.world.size
         dist.all_gather_object(rngs, rng_state(torch.device("cpu")))
+        self.epoch = epoch if epoch is not None else self.epoch
         if self.world.rank == 0:
             ck = saving.checkpoint(self.engine.state_dict(), self.engine.optimizer_state(), self.optimizer_class, self.steps, rngs, self.world.size,
-                                   grid=list(self.grid) if self.grid else None, extra=extra or {})
+                                   grid=list(self.grid) if self.grid else None, extra=extra or {},
+                                   scheduler=self.engine.scheduler_state(), epoch=self.epoch)
             saving.atomic_save(ck, path)
         self.world.barrier()
         return str(path)
@@ -401,10 +404,12 @@ class SpmdModel(nn.Module):
         path = str(path)
         ck = saving.read(path)
         self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
-        self.engine.load(ck["model"], ck.get("optimizer"))
+        saving.check_scheduler_state(ck.get("scheduler"), self.engine.scheduler is not None, path)
+        self.engine.load(ck["model"], ck.get("optimizer"), ck.get("scheduler"))
         if ck.get("workers") == self.world.size:
             set_rng_state(ck["rng"]["workers"][self.world.rank], torch.device("cpu"))
         self.steps = int(ck.get("step", 0))
+        self.epoch = ck.get("epoch")
         return self
 
 
