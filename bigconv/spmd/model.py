@@ -41,6 +41,7 @@ from ..data.sources import ShardRead, is_source_batch
 from ..engine import step as shard_step
 from ..engine.step import PerShardLoss, StepCommand, WholeOutputLoss, gather_dense, gather_heads
 from ..geometry.boxes import batch_share, box_index, box_size, coord_of, shard_box, validate_grid
+from ..engine.executor import join_shards
 from ..engine.plan import Plan, output_leaves
 from ..planning import Planner
 from ..saving import rng_state, set_rng_state
@@ -96,7 +97,15 @@ class SpmdModel(nn.Module):
         dist.broadcast(seed_t, src=0)  # every rank draws with rank 0's seed
         self.engine = ShardEngine(model, rt, grad_group=world.grad_group, seed=int(seed_t.item()),
                                   compile=bool(compile) or compiled)
-        self.module = self.engine.model  # the plain model, registered: train(), eval() and hooks reach it
+        # The plain model's own tables, shared: state_dict, load_state_dict, named_parameters and train() see its
+        # names with no wrapper prefix, here and inside a LightningModule that holds this module.
+        self.__dict__["_plain"] = self.engine.model
+        self._parameters, self._buffers, self._modules = (self.engine.model._parameters, self.engine.model._buffers,
+                                                          self.engine.model._modules)
+        self.replica_batches = False
+        """True where a sampler splits the data over replicas (``bigconv.lightning``): ``x`` holds this replica's
+        images only, and ``net(x)`` returns the replica's whole output (``gather``), so any loss is the
+        replica's."""
         self._sync = GradSync(self.engine)
         self._last: tuple[Plan, int] | None = None  # the plan and batch size of the last native forward
         self._structure: tuple | None = None  # the model's names and shapes, for ``agree``
@@ -106,8 +115,18 @@ class SpmdModel(nn.Module):
                 dist.broadcast(t.data, src=0)
 
     @property
+    def module(self) -> nn.Module:
+        """The plain model (this rank's copy)."""
+        return self.__dict__["_plain"]
+
+    @property
     def model(self) -> nn.Module:
         return self.module
+
+    def train(self, mode: bool = True) -> "SpmdModel":
+        super().train(mode)
+        self.module.training = mode
+        return self
 
     @property
     def has_optimizer(self) -> bool:
@@ -126,7 +145,10 @@ class SpmdModel(nn.Module):
     # -- this rank's part of a batch ----------------------------------------------------------------
     def _items(self, x) -> tuple[int, int]:
         """The images of the batch ``x`` (a tensor, or a list of sources) this rank's replica takes."""
-        return batch_share(len(x) if is_source_batch(x) else x.shape[0], self.replicas, self.mesh.replica)
+        return self._share(len(x) if is_source_batch(x) else x.shape[0])
+
+    def _share(self, images: int) -> tuple[int, int]:
+        return (0, images) if self.replica_batches else batch_share(images, self.replicas, self.mesh.replica)
 
     def _shard_call(self, plan: Plan, x, y=None, loss_fn=None) -> shard_step.ShardCall:
         self._call += 1
@@ -156,11 +178,12 @@ class SpmdModel(nn.Module):
         self._last = (plan, len(x) if is_source_batch(x) else whole.shape[0])
         grad = torch.is_grad_enabled()
         out = shard_step.forward(self.engine, shard, grad)
-        return self._sink(plan, out) if grad else out
+        out = self._sink(plan, out) if grad else out
+        return self.gather(out) if self.replica_batches else out
 
     def _local_call(self, plan: Plan, x: torch.Tensor, whole: tuple[int, ...]) -> shard_step.ShardCall:
         """The call on ``x``, this rank's share of a batch of shape ``whole``, checked to be that share."""
-        lo, hi = batch_share(whole[0], self.replicas, self.mesh.replica)
+        lo, hi = self._share(whole[0])
         box = shard_box(plan.in_shape, plan.grid, coord_of(self.mesh.shard, plan.grid))
         expected = (hi - lo, whole[1], *box_size(box))
         if tuple(x.shape) != expected:
@@ -218,7 +241,7 @@ class SpmdModel(nn.Module):
         plan, n = self._last_plan("cut")
         if not isinstance(y, torch.Tensor):
             raise ValueError(f"targets must be a tensor, got {type(y).__name__}")
-        items = batch_share(n, self.replicas, self.mesh.replica)
+        items = self._share(n)
         if plan.several:
             raise ValueError("cut takes the targets of one output; this model returns several: use net.whole_loss")
         if plan.out_shape is None:  # a replicated head: the replica's images
@@ -256,10 +279,21 @@ class SpmdModel(nn.Module):
         """The whole batch's output on every rank, from this rank's share ``out``: only this rank's part
         carries gradient, so a loss every rank computes alike on it sums to one process's gradient."""
         plan, _ = self._last_plan("gather")
-        joined = [gather_dense(self.engine, plan.grid, t, live=True) if shape is not None
-                  else gather_heads(self.engine, t)
-                  for t, (shape, _) in zip(output_leaves(out), plan.leaf_shapes())]
+        if self.replica_batches:  # the replica's own images: its shards only
+            joined = [self._gather_replica(plan, t) if shape is not None else t
+                      for t, (shape, _) in zip(output_leaves(out), plan.leaf_shapes())]
+        else:
+            joined = [gather_dense(self.engine, plan.grid, t, live=True) if shape is not None
+                      else gather_heads(self.engine, t)
+                      for t, (shape, _) in zip(output_leaves(out), plan.leaf_shapes())]
         return plan.rebuild(joined)
+
+    def _gather_replica(self, plan: Plan, local: torch.Tensor) -> torch.Tensor:
+        parts: list = [None] * self.mesh.spatial
+        dist.all_gather_object(parts, local.detach().cpu(), group=self.mesh.spatial_group)
+        parts = [p.to(local.device) for p in parts]
+        parts[self.mesh.shard] = local
+        return join_shards(parts, plan.grid)
 
     def whole_loss(self, loss_fn: Callable, out, y) -> torch.Tensor:
         """Any loss, on the whole batch's output (``gather``) against the whole batch's targets ``y``: the
@@ -368,19 +402,6 @@ class SpmdModel(nn.Module):
         self.engine.rt.reads.start([r for r in (shard.x, shard.target) if isinstance(r, ShardRead)])
 
     # -- state --------------------------------------------------------------------------------------------
-    # The plain model's names: an optimizer's param groups, a checkpoint and an EMA see no wrapper prefix.
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self.module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args, **kwargs) -> dict:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict, assign)
-
     def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
         parts = [None] * self.world.size
         dist.all_gather_object(parts, self.engine.state_dict())
