@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .compat import allow_torchvision_without_ops
+from .import_guard import install_import_guard
 
 if TYPE_CHECKING:
     from .capture import gradcam
@@ -33,8 +33,9 @@ SUBPACKAGES = ("data", "models", "losses", "saving", "spmd", "harness", "verify"
 
 # torchvision's CUDA wheel beside a CPU torch cannot load its compiled ops, and then `import torchvision`
 # (and timm, which imports it) fails; declaring the two op schemas it needs, only in that case, lets its models run.
-# Here, not at first use of a name: `import bigconv` (or any of its modules) is what users do before timm.
-allow_torchvision_without_ops()
+# An installed bigconv applies it at `import torch` (bigconv.compat.torch_plugin); here too, for a checkout on
+# PYTHONPATH without the install's entry point. Lazily: only when torchvision is imported.
+install_import_guard()
 
 
 def __getattr__(name: str):

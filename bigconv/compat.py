@@ -9,6 +9,9 @@ are plain Python and need none of those ops.
 ``allow_torchvision_without_ops`` declares the two op schemas when, and only when, the extension
 cannot load; calling an op then still fails with torchvision's own error. Workers call it at
 startup, so a torchvision model pickled by the driver unpickles there too.
+
+Import order must not matter: ``bigconv.import_guard`` applies this fix from ``import torch``,
+whichever library is imported first.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ def allow_torchvision_without_ops() -> bool:
     global _LIB
     if _LIB is not None:
         return True
-    spec = importlib.util.find_spec("torchvision")
+    spec = importlib.util.find_spec("torchvision")  # may run bigconv.import_guard's finder, and this function
+    if _LIB is not None:  # ... which then did the work
+        return True
     if spec is None or spec.origin is None:
         return False
     for library in sorted(Path(spec.origin).parent.glob("_C*.so")):
@@ -42,3 +47,4 @@ def allow_torchvision_without_ops() -> bool:
     _LIB.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     log.info("torchvision's compiled ops cannot load here; its models are usable, its detection ops are not")
     return True
+

@@ -158,3 +158,58 @@ def check_no_backward_hooks(model: torch.nn.Module) -> None:
             "the hook (handle.remove()) and ask for the gradient reaching the module whole: net.capture(['NAME'], "
             "x, target=CLASS) or net.capture(['NAME'], x, y, loss_fn=...) (docs/capture.md); forward hooks run "
             "per shard on the workers")
+
+
+def optimizer_spec(meta: torch.nn.Module, cls_or_factory, kwargs: dict, scheduler, clip_grad_norm) -> dict:
+    """Check ``net.optimizer``'s arguments on the meta model (a factory and a scheduler factory are called on
+    it, so a wrong group or argument fails here, before any remote work); returns the keyword arguments of
+    ``ShardEngine.make_optimizer``."""
+    if isinstance(cls_or_factory, type):
+        check_optimizer_class(cls_or_factory)
+        cls, factory = cls_or_factory, None
+    elif callable(cls_or_factory):
+        if kwargs:
+            raise ValueError(f"an optimizer factory takes no keyword arguments (got {sorted(kwargs)}); set them inside "
+                             "it: net.optimizer(lambda named: torch.optim.AdamW(groups(named), lr=...))")
+        cls, factory = None, cls_or_factory
+    else:
+        raise ValueError("optimizer expects a torch.optim.Optimizer class (net.optimizer(torch.optim.SGD, lr=0.1)) "
+                         "or a factory named_parameters -> Optimizer, got " + repr(cls_or_factory))
+    if scheduler is not None and not callable(scheduler):
+        raise ValueError(f"scheduler must be a factory optimizer -> scheduler (e.g. lambda opt: "
+                         f"torch.optim.lr_scheduler.LambdaLR(opt, f)), got {scheduler!r}")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                                       or not clip_grad_norm > 0):
+        raise ValueError(f"clip_grad_norm must be a positive number (the largest global gradient norm), got "
+                         f"{clip_grad_norm!r}")
+    try:
+        opt = factory(list(meta.named_parameters())) if factory else cls(meta.parameters(), **kwargs)
+    except Exception as exc:
+        raise ValueError(f"the optimizer cannot be made over this model's parameters ({type(exc).__name__}: {exc}); "
+                         "it was tried on a copy of the model before any remote work") from exc
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"the optimizer factory must return a torch.optim.Optimizer, got {type(opt).__name__}")
+    if scheduler is not None:
+        try:
+            scheduler(opt)
+        except Exception as exc:
+            raise ValueError(f"the scheduler factory failed on the optimizer ({type(exc).__name__}: {exc}); it was "
+                             "tried on a copy of the model before any remote work") from exc
+    return {"cls": cls, "kwargs": kwargs, "factory": factory, "scheduler": scheduler,
+            "clip": None if clip_grad_norm is None else float(clip_grad_norm)}
+
+
+def by_value(obj, what: str) -> bytes:
+    """``obj`` pickled for the workers, functions and classes of the user's script by value (cloudpickle):
+    a plain pickle names ``__main__``, which the workers cannot import."""
+    try:
+        import cloudpickle
+    except ImportError as exc:
+        raise ValueError(f"sending {what} to the workers needs cloudpickle (pip install cloudpickle), which sends "
+                         "what the script defines by value") from exc
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:
+        raise ValueError(f"{what} cannot be sent to the workers ({type(exc).__name__}: {exc}); it must be "
+                         "picklable (a function, lambda or class of your script is; an open file or lock is not)") \
+            from exc

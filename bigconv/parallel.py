@@ -71,8 +71,12 @@ class ParallelModel:
         self._calls = itertools.count(1)
         self.has_optimizer = False
         self.optimizer_class: str | None = None
+        self.optimizer_groups: list[int] | None = None
+        self.has_scheduler = False
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
+        self.epoch: int | None = None
+        """What the last ``save(..., epoch=)`` or ``load`` recorded: where a resumed run's loop starts."""
         self.seed = random_seed(seed)
         payload = to_payload(model)
         install = (payload, transport, self.seed, self.compile)
@@ -85,28 +89,41 @@ class ParallelModel:
         return self.planner.plan(x, self.training)
 
     # -- training API -----------------------------------------------------------------------------
-    def optimizer(self, cls: type, **kwargs) -> None:
-        """Create a replicated optimizer ``cls(params, **kwargs)`` on every worker."""
-        input_checks.check_optimizer_class(cls)
-        self._all("make_optimizer", (cls, kwargs), "creating the optimizer")
+    def optimizer(self, cls, /, *, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
+                  **kwargs) -> None:
+        """Create a replicated optimizer on every worker: ``cls(params, **kwargs)``, or, given a factory,
+        ``factory(named_parameters)`` (a list of ``(name, parameter)``: param groups by name). ``scheduler``:
+        a factory ``optimizer -> scheduler``, stepped after every optimizer step. ``clip_grad_norm``: clip the
+        summed gradients to this global norm before each step. Classes and functions of your script travel
+        by value (cloudpickle). Everything is tried on a meta copy of the model first."""
+        spec = input_checks.optimizer_spec(self.planner.meta, cls, kwargs, scheduler, clip_grad_norm)
+        payload = input_checks.by_value(spec, "the optimizer (its class or factory, and the scheduler factory)")
+        made = self._all("make_optimizer", (payload,), "creating the optimizer")
         self.has_optimizer = True
-        self.optimizer_class = saving.class_name(cls)
+        self.optimizer_class, self.optimizer_groups = made[0]["class"], made[0]["groups"]
+        self.has_scheduler = scheduler is not None
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> float:
-        """One forward, backward and optimizer step on the whole batch; returns the loss."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, *, step: bool = True) -> float:
+        """One forward, backward and optimizer step on the whole batch; returns the loss. ``step=False``:
+        the gradients wait on the workers (unsummed, as under DDP's ``no_sync``) and add to the next call's,
+        which sums them all and steps: accumulation over micro-batches."""
         if not self.has_optimizer:
             raise ValueError("call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+        refuse_autocast("net.train_step")
+        if not step and self.transport == "rpc":
+            raise ValueError("train_step(..., step=False) accumulates on the p2p transport only; use "
+                             "parallelize(..., transport='p2p') (the default)")
         plan = self.plan(x)
         dense = self.planner.per_shard_loss(plan, x, y, loss_fn)
         shards = self._shard_calls(plan, x, y if dense else None, loss_fn)
         if self.transport == "rpc":
             loss = self._rpc_step(plan, shards, y, loss_fn if dense else None, loss_fn)
         elif dense:  # one command per worker: the shard-step of an SPMD rank
-            loss = self._wait(self._launch("step", [(StepCommand(s, PerShardLoss(loss_fn)),) for s in shards]),
-                              f"step {shards[0].call}")[0]
+            cmds = [(StepCommand(s, PerShardLoss(loss_fn), accumulate=not step),) for s in shards]
+            loss = self._wait(self._launch("step", cmds), f"step {shards[0].call}")[0]
         else:
-            loss, _ = self._loss_on_driver(plan, shards, y, loss_fn, grad=True, gradients=False)
-        self.steps += 1
+            loss, _ = self._loss_on_driver(plan, shards, y, loss_fn, grad=True, gradients=False, accumulate=not step)
+        self.steps += int(step)
         return float(loss)
 
     def _rpc_step(self, plan: Plan, shards: list[ShardCall], y, shard_loss, loss_fn: Callable) -> torch.Tensor:
@@ -123,7 +140,8 @@ class ParallelModel:
             self._all("step_from_context", (ctx,), f"optimizer step {call}")
         return loss.detach()
 
-    def _loss_on_driver(self, plan: Plan, shards: list[ShardCall], y, loss_fn: Callable, grad, gradients: bool):
+    def _loss_on_driver(self, plan: Plan, shards: list[ShardCall], y, loss_fn: Callable, grad, gradients: bool,
+                        accumulate: bool = False):
         """The ``p2p`` transport with a loss the driver computes on the whole output: the workers keep
         their forward; the driver sends each the gradient of its part of the output in a step command;
         they run backward, the gradient sum and the step (or, with ``gradients``, return them). Two
@@ -148,7 +166,8 @@ class ParallelModel:
         if not plan.several:  # one output: the gradient itself
             grads = [g[0] for g in grads]
         what = f"backward of call {call}" if gradients else f"backward and optimizer step {call}"
-        commands = [(StepCommand(s, OutputGradients(g), grad=grad, gradients=gradients),) for s, g in zip(shards, grads)]
+        commands = [(StepCommand(s, OutputGradients(g), grad=grad, gradients=gradients, accumulate=accumulate),)
+                    for s, g in zip(shards, grads)]
         return loss.detach(), self._wait(self._launch("step", commands), what)
 
     def gradients(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable) -> tuple[float, torch.Tensor, dict]:
@@ -157,6 +176,7 @@ class ParallelModel:
         What a single process gets from ``loss_fn(model(x), y).backward()``: the evidence, layer
         by layer, that the distributed backward pass is the single-process one.
         """
+        refuse_autocast("net.gradients")
         plan = self.plan(x)
         self.planner.check_loss(plan, x, y, loss_fn)
         shards = self._shard_calls(plan, x)
@@ -178,11 +198,17 @@ class ParallelModel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The full output on the driver, without gradients."""
+        refuse_autocast("net(x)")
         plan = self.plan(x)
         shards = self._shard_calls(plan, x)
         results = self._wait(self._launch("forward", [(s, None, False) for s in shards]),
                              f"inference call {shards[0].call}")
         return self._assemble(plan, results, grad=False)
+
+    def full(self, x: torch.Tensor) -> torch.Tensor:
+        """The full output on the driver, without gradients: ``net(x)`` (the SPMD mode's name for it, where
+        ``net(x)`` is a rank's share)."""
+        return self(x)
 
     def predict(self, x, out: str, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
                 levels: int | None = None, mpp: float | None = None, classes=None) -> str:
@@ -201,6 +227,7 @@ class ParallelModel:
         a failed run leaves the old output as it was."""
         from . import prediction
 
+        refuse_autocast("net.predict")
         return prediction.predict(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep, levels=levels,
                                   mpp=mpp, classes=classes)
 
@@ -211,6 +238,7 @@ class ParallelModel:
         into a zarr group (``bigconv.capture``)."""
         from . import capture
 
+        refuse_autocast("net.capture")
         return capture.capture(self, layers, x, y, loss_fn, target, out=out, overwrite=overwrite)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
@@ -270,8 +298,9 @@ class ParallelModel:
         n = workers or self.world.workers
         return self.world.call_part(self.id, "state_dict", [()] * n, "reading weights", workers=range(n))
 
-    def save(self, path, extra: dict | None = None) -> str:
-        """Write weights, optimizer state, step count and generator states to ``path`` atomically.
+    def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
+        """Write weights, optimizer and scheduler state, step count, ``epoch`` and generator states to ``path``
+        atomically: what a preempted run needs to resume exactly (``load``).
 
         The file loads into a plain model and optimizer too (see ``bigconv.saving``). ``extra``: plain
         data kept under ``"extra"`` (e.g. ``{"classes": dataset.classes}``).
@@ -279,9 +308,11 @@ class ParallelModel:
         self.world.check_usable()
         parts = self.world.call_part(self.id, "checkpoint_state", [(i == 0,) for i in range(self.world.workers)],
                                      "saving a checkpoint")
+        self.epoch = epoch if epoch is not None else self.epoch
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
-                               grid=list(self.grid) if self.grid else None, extra=extra or {})
+                               grid=list(self.grid) if self.grid else None, extra=extra or {},
+                               scheduler=parts[0]["scheduler"], epoch=self.epoch)
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":
@@ -291,12 +322,15 @@ class ParallelModel:
         """
         path = str(path)
         ck = saving.read(path)
-        self.planner.check_checkpoint(ck, self.optimizer_class, path)
+        self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
+        saving.check_scheduler_state(ck.get("scheduler"), self.has_scheduler, path)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
-        self.world.call_part(self.id, "load_checkpoint", [(ck["model"], ck.get("optimizer"), r) for r in rngs],
+        self.world.call_part(self.id, "load_checkpoint",
+                             [(ck["model"], ck.get("optimizer"), r, ck.get("scheduler")) for r in rngs],
                              "loading a checkpoint")
         self.steps = int(ck.get("step", 0))
+        self.epoch = ck.get("epoch")
         torch.set_rng_state(ck["rng"]["driver"])
         return self
 
@@ -307,6 +341,19 @@ class ParallelModel:
 
     def eval(self) -> "ParallelModel":
         return self.train(False)
+
+
+def refuse_autocast(what: str) -> None:
+    """``torch.autocast`` is a setting of the calling thread: around a driver call it cannot reach the
+    workers' processes, and the result would silently be one precision where one process gives another.
+    Refused before any remote work."""
+    on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    if on:
+        raise ValueError(
+            f"torch.autocast({on[0]!r}) is on around {what}, but the driver mode runs the model in the workers' "
+            "processes, which the driver's autocast does not reach (the output would silently keep the model's "
+            "dtype); put the autocast inside the model's forward (it then runs on the workers), or train with "
+            "your own loop on an SPMD world, where autocast applies (docs/loop.md)")
 
 
 def check_transport(transport) -> None:

@@ -116,15 +116,17 @@ class Planner:
         ValueError when this model's output is not one dense map."""
         if plan.several:
             raise ValueError(f"predict writes one dense map, but this model returns {len(plan.outputs)} outputs; "
-                             "use net(x) for them, or predict with a wrapper returning the one map to write")
+                             "use net.full(x) for them, or predict with a wrapper returning the one map to write")
         if plan.out_shape is None:
             raise ValueError("predict writes a dense map, but this model's output is one vector per image "
-                             "(replicated after pooling); use net(x) for it")
+                             "(replicated after pooling); use net.full(x) for it")
         chunks = outputs.aligned_chunks(plan.out_shape, plan.grid, max_chunk)
         return chunks, str(x.dtype if isinstance(x, torch.Tensor) else SourceBatch(x).dtype).replace("torch.", "")
 
-    def check_checkpoint(self, ck: dict, optimizer_class: str | None, path: str) -> None:
-        """A checkpoint fits this model and its optimizer (before anything changes)."""
+    def check_checkpoint(self, ck: dict, optimizer_class: str | None, path: str,
+                         groups: list[int] | None = None) -> None:
+        """A checkpoint fits this model and its optimizer (``groups``: its param groups' sizes; None: one group
+        of every parameter), before anything changes."""
         saving.check_model_state(ck["model"], self.meta.state_dict(), path)
         saving.check_optimizer_state(ck.get("optimizer"), ck.get("optimizer_class"),
-                                     [len(list(self.meta.parameters()))], optimizer_class, path)
+                                     groups or [len(list(self.meta.parameters()))], optimizer_class, path)

@@ -6,7 +6,10 @@ The file is a ``torch.save`` of plain data (loadable with ``weights_only=True``)
 - ``"optimizer"``: the state a plain optimizer over ``model.parameters()`` would hold (its
   ``state_dict()``), or None;
 - ``"optimizer_class"``, ``"step"``, ``"rng"`` (the driver's and each worker's generator states),
-  ``"workers"``, ``"format"``, ``"version"``.
+  ``"workers"``, ``"format"``, ``"version"``;
+- ``"scheduler"`` (the ``scheduler=`` factory's scheduler's ``state_dict()``, or None) and ``"epoch"``
+  (what ``save(..., epoch=)`` was given, or None): with the above, what a preempted run needs to resume
+  exactly.
 
 A plain process continues with ``model.load_state_dict(ck["model"])`` and
 ``optimizer.load_state_dict(ck["optimizer"])``.
@@ -160,6 +163,13 @@ def check_optimizer_state(saved: dict | None, saved_class: str | None, params_pe
             f"the checkpoint {path!r} has parameter groups of sizes {groups} but this model's optimizer has "
             f"{params_per_group}; create the optimizer over the same parameters as the saved run"
         )
+
+
+def check_scheduler_state(saved: dict | None, has_scheduler: bool, path: str) -> None:
+    if saved is not None and not has_scheduler:
+        raise ValueError(f"the checkpoint {path!r} holds a learning-rate scheduler's state but this model's optimizer "
+                         "has none; create it with net.optimizer(..., scheduler=...) as in the saved run before "
+                         "net.load()")
 
 
 def class_name(cls: type) -> str:

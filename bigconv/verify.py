@@ -439,7 +439,7 @@ def distributed_run(model: torch.nn.Module, world: World, x, y, loss_fn: Callabl
     opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
     yt = read_targets(y, loss_fn) if is_source_batch(y) else y  # gradients() takes targets as a tensor
     net = parallelize(model, world, grid=grid, replicas=replicas, transport=transport, seed=seed)
-    out = net(x)
+    out = net.full(x)
     _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
     net.optimizer(optimizer, **opt_kwargs)
     losses = [net.train_step(x, y, loss_fn) for _ in range(steps)]

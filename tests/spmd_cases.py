@@ -242,9 +242,9 @@ def sources(world) -> dict:
                          replicas=world.size // 2)
     net = r.pop("net")
     # prefetch: the next call's reads start in the background, and that call takes them.
-    out_now, before = net(srcs), net.stats["prefetch_read_s"]
+    out_now, before = net.full(srcs), net.stats["prefetch_read_s"]
     net.prefetch(srcs)
-    out_ahead = net(srcs)
+    out_ahead = net.full(srcs)
     r["prefetch_equal"], r["prefetch_used"] = torch.equal(out_now, out_ahead), net.stats["prefetch_read_s"] > before
     dense = nn.Sequential(nn.Conv2d(3, 4, 5, padding=2), nn.Tanh(), nn.Conv2d(4, 2, 3, padding=1)).double()
     reference = copy.deepcopy(dense)

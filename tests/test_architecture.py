@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bigconv", "multidsn", "plots", "experiments")
 
 LAYERS = [
-    ("utilities", ["bigconv.compat", "bigconv.provenance", "bigconv.progress", "bigconv.saving", "bigconv.memory",
+    ("utilities", ["bigconv.compat", "bigconv.import_guard", "bigconv.provenance", "bigconv.progress", "bigconv.saving", "bigconv.memory",
                    "bigconv.losses", "bigconv.models"]),
     ("geometry", ["bigconv.geometry"]),
     ("data", ["bigconv.data"]),
@@ -37,7 +37,8 @@ LAYERS = [
     ("op rules", ["bigconv.ops"]),
     ("engine", ["bigconv.engine"]),
     ("runtime", ["bigconv.runtime"]),
-    ("front ends", ["bigconv.parallel", "bigconv.prediction", "bigconv.capture", "bigconv.planning", "bigconv.input_checks", "bigconv.spmd", "bigconv.halo_adjoint"]),
+    ("front ends", ["bigconv.parallel", "bigconv.prediction", "bigconv.capture", "bigconv.planning", "bigconv.input_checks",
+                    "bigconv.spmd", "bigconv.halo_adjoint", "bigconv.lightning"]),
     ("harness", ["bigconv.harness", "bigconv.verify", "bigconv.sabotage", "bigconv.check"]),
     ("multidsn", ["multidsn"]),
     ("plots", ["plots"]),
@@ -76,7 +77,7 @@ SUBLAYERS = {
         ["bigconv.runtime.spmd_launch"],
         ["bigconv.runtime"],
     ],
-    "bigconv.spmd": [["bigconv.spmd.agreement"], ["bigconv.spmd.model"], ["bigconv.spmd"]],
+    "bigconv.spmd": [["bigconv.spmd.agreement", "bigconv.spmd.native"], ["bigconv.spmd.model"], ["bigconv.spmd"]],
     "bigconv.harness": [
         ["bigconv.harness.cli", "bigconv.harness.model_spec", "bigconv.harness.recorder", "bigconv.harness.records",
          "bigconv.harness.registry", "bigconv.harness.shard_profile"],
@@ -306,7 +307,7 @@ def test_type_only_imports_count(tmp_path):
 
 def test_importing_geometry_loads_nothing_of_the_distributed_stack():
     """``import bigconv.geometry.boxes`` in a fresh interpreter loads no ``torch.distributed`` module
-    that ``import torch`` did not already load, and of bigconv only the root, ``compat`` and geometry.
+    that ``import torch`` did not already load, and of bigconv only the root, ``compat``, ``import_guard`` and geometry.
 
     ``torch.distributed.rpc`` itself is in ``sys.modules`` after a bare ``import torch`` (torch 2.13:
     ``torch._jit_internal`` imports it), so "not in sys.modules" cannot be asked of any module that
@@ -318,7 +319,7 @@ def test_importing_geometry_loads_nothing_of_the_distributed_stack():
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    allowed = {"bigconv", "bigconv.compat"}
+    allowed = {"bigconv", "bigconv.compat", "bigconv.import_guard"}
     extra = [m for m in loaded if m not in allowed and not m.startswith("bigconv.geometry")]
     assert not extra, f"import bigconv.geometry.boxes also loads {len(extra)} modules: {extra}"
 

@@ -53,6 +53,12 @@ class ShardEngine:
         # (the ShardMode's rules, halo exchanges) eagerly; the module, its names and hooks stay the plain one.
         self.run = torch.compile(self.model) if compile else self.model
         self.opt: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        """Stepped after every optimizer step (``make_optimizer``'s ``scheduler``)."""
+        self.clip: float | None = None
+        """Clip the summed gradients to this global norm before each optimizer step."""
+        self.accumulating = False
+        """Gradients of calls with ``accumulate`` wait in ``.grad``, unsummed, for the next summing call."""
         self.grad_group = grad_group
         self._buckets: GradBuckets | None = None
         self.last_input: torch.Tensor | None = None
@@ -145,24 +151,50 @@ class ShardEngine:
             raise ValueError(losses.label_message(first, out.shape[1]))
 
     # -- a training step ------------------------------------------------------------------------------
-    def make_optimizer(self, cls: type, kwargs: dict) -> None:
-        self.opt = cls(self.model.parameters(), **kwargs)
+    def make_optimizer(self, cls: type, kwargs: dict, factory=None, scheduler=None, clip: float | None = None) -> dict:
+        """``cls(parameters, **kwargs)``, or ``factory(named_parameters)`` (param groups by name); a
+        ``scheduler(optimizer)`` stepped after each step; gradient clipping by the global norm. Returns
+        what the front end records of it: the class and the group sizes."""
+        if factory is not None:
+            opt = factory(list(self.model.named_parameters()))
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ValueError(f"the optimizer factory must return a torch.optim.Optimizer, got {type(opt).__name__}")
+        else:
+            opt = cls(self.model.parameters(), **kwargs)
+        self.opt, self.clip, self.accumulating = opt, clip, False
+        self.scheduler = scheduler(opt) if scheduler is not None else None
+        return {"class": saving.class_name(type(opt)), "groups": [len(g["params"]) for g in opt.param_groups]}
 
-    def begin(self) -> None:
-        """Before a backward whose gradients are to be summed: clear them and arm the buckets."""
-        self.model.zero_grad(set_to_none=True)
-        self.buckets.arm()
+    def begin(self, accumulate: bool = False) -> None:
+        """Before a backward: clear the gradients (unless earlier calls accumulate in them) and arm the buckets
+        (with ``accumulate``, disarm them: this call's gradients wait, unsummed, for the next summing call)."""
+        if not self.accumulating:
+            self.model.zero_grad(set_to_none=True)
+        if accumulate:
+            self.buckets.reset()
+        else:
+            self.buckets.arm()
 
     def abort(self) -> None:
         self.buckets.reset()
+        self.accumulating = False
 
-    def end(self, step: bool) -> None:
-        """Wait for the gradient sums; with ``step``, take the optimizer step and clear them."""
+    def end(self, step: bool, accumulate: bool = False) -> None:
+        """Wait for the gradient sums; with ``step``, clip, take the optimizer step, step the scheduler and
+        clear them. With ``accumulate`` nothing is summed or stepped: the gradients wait in ``.grad``."""
+        if accumulate:
+            self.accumulating = True
+            return
+        self.accumulating = False
         self.buckets.finish()
         if step:
             if self.opt is None:
                 raise RuntimeError("no optimizer: call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+            if self.clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.clip)
             self.opt.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             self.opt.zero_grad(set_to_none=True)
 
     def param_grads(self) -> dict[str, torch.Tensor]:
@@ -182,7 +214,13 @@ class ShardEngine:
     def optimizer_state(self) -> dict | None:
         return saving.to_cpu(self.opt.state_dict()) if self.opt is not None else None
 
-    def load(self, model_state: dict, optimizer_state: dict | None) -> None:
+    def scheduler_state(self) -> dict | None:
+        return saving.to_cpu(self.scheduler.state_dict()) if self.scheduler is not None else None
+
+    def load(self, model_state: dict, optimizer_state: dict | None, scheduler_state: dict | None = None) -> None:
         self.model.load_state_dict(model_state)
         if optimizer_state is not None:
             self.opt.load_state_dict(optimizer_state)
+        if scheduler_state is not None:
+            self.scheduler.load_state_dict(scheduler_state)
+        self.accumulating = False

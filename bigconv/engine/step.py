@@ -110,6 +110,8 @@ class StepCommand:
     """Return this shard's input gradient and the summed parameter gradients (no step)."""
     group: Any = field(default=None, compare=False)
     """The ranks a per-shard loss is summed over (None: every rank of the default group)."""
+    accumulate: bool = False
+    """Keep this call's gradients, unsummed, for a later summing call (``train_step(..., step=False)``)."""
 
 
 @dataclass
@@ -127,14 +129,17 @@ def forward(engine: ShardEngine, shard: ShardCall, grad) -> Any:
 def run(engine: ShardEngine, cmd: StepCommand, kept: Any = None) -> StepResult:
     """Forward (or ``kept``: the output of this command's forward, run earlier), the loss part, backward
     with the gradient sum in buckets, and the optimizer step; on any error the buckets are reset."""
-    engine.begin()
+    accumulate = cmd.accumulate and not cmd.gradients
+    if cmd.gradients:
+        engine.accumulating = False  # the gradients of this call alone
+    engine.begin(accumulate)
     try:
         out = kept if kept is not None else forward(engine, cmd.shard, cmd.grad)
         loss = _backward(engine, cmd, out)
     except BaseException:
         engine.abort()
         raise
-    engine.end(cmd.optimizer_step and not cmd.gradients)
+    engine.end(cmd.optimizer_step and not cmd.gradients, accumulate)
     if cmd.gradients:
         return StepResult(loss, engine.input_grad(), engine.param_grads())
     return StepResult(loss)

@@ -301,8 +301,9 @@ class ModelPart:
             self.pyramid.first(t)
         return None
 
-    def make_optimizer(self, cls, kwargs: dict) -> None:
-        self.engine.make_optimizer(cls, kwargs)
+    def make_optimizer(self, spec: bytes) -> dict:
+        """``spec``: ``ShardEngine.make_optimizer``'s arguments, pickled by value on the driver."""
+        return self.engine.make_optimizer(**pickle.loads(spec))
 
     # -- a step on the p2p transport: the shard-step of every SPMD rank, fed by the driver's commands ------
     def step(self, cmd: StepCommand):
@@ -352,9 +353,11 @@ class ModelPart:
         if full:
             state["model"] = self.state_dict()
             state["optimizer"] = self.engine.optimizer_state()
+            state["scheduler"] = self.engine.scheduler_state()
         return state
 
-    def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None) -> None:
-        self.engine.load(model_state, optimizer_state)
+    def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None,
+                        scheduler_state: dict | None = None) -> None:
+        self.engine.load(model_state, optimizer_state, scheduler_state)
         if rng is not None:
             set_rng_state(rng, self.rt.device)

@@ -1,0 +1,126 @@
+"""What each rank runs for ``tests/test_lightning.py``: a Lightning ``Trainer`` with ``BigconvStrategy``.
+
+An unchanged LightningModule (AdamW with two param groups, a warmup-cosine schedule stepped per step,
+``gradient_clip_val``, ``accumulate_grad_batches=2``, ``self.log(..., sync_dist=True)``) on spawned gloo
+ranks; rank 0 also runs the same loop in one process on the batches every replica's sampler drew, and
+returns the per-tensor errors.
+"""
+
+from __future__ import annotations
+
+import bigconv  # noqa: F401  (torchvision on a CPU torch before lightning, in an environment installed earlier)
+import torch
+import torch.nn.functional as F
+
+import native_loop_cases as nl
+
+STEPS, ACCUMULATE, BATCH = 3, 2, 2
+
+
+def make_module(kind: str):
+    import lightning.pytorch as pl
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = nl.build(kind, torch.float64)
+            self.logged = []
+
+        def training_step(self, batch, index):
+            x, y = batch
+            loss = F.cross_entropy(self.model(x), y)
+            self.log("loss", loss, sync_dist=True)
+            self.logged.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(nl.param_groups(self.model.named_parameters()), lr=0.02, betas=(0.9, 0.99))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, nl.warmup_cosine)
+            return [opt], [{"scheduler": sched, "interval": "step"}]
+
+    return Lit()
+
+
+def dataset(kind: str, replicas: int):
+    g = torch.Generator().manual_seed(5)
+    n = STEPS * ACCUMULATE * BATCH * replicas
+    x = torch.randn(n, 2, 12, 10, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (n, 12, 10) if kind == "seg" else (n,), generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def one_process(kind: str, replicas: int) -> dict:
+    """The same loop on the same batches: micro-batch k of every replica's sampler (Lightning's
+    ``DistributedSampler``: shuffled with seed 0, over ``replicas`` only), averaged over replicas as DDP does."""
+    data = dataset(kind, replicas)
+    model = nl.build(kind, torch.float64)
+    opt = torch.optim.AdamW(nl.param_groups(model.named_parameters()), lr=0.02, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, nl.warmup_cosine)
+    per_replica = [list(torch.utils.data.DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=True, seed=0))
+                   for r in range(replicas)]
+    for step in range(STEPS):
+        for k in range(ACCUMULATE):
+            b = step * ACCUMULATE + k
+            idx = [i for r in range(replicas) for i in per_replica[r][b * BATCH:(b + 1) * BATCH]]
+            x, y = data[idx]
+            (F.cross_entropy(model(x), y) / ACCUMULATE).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(kind: str, grid, replicas: int, plant: str | None = None) -> dict:
+    import lightning.pytorch as pl
+
+    from bigconv.lightning import BigconvStrategy
+
+    lit = make_module(kind)
+    cls = BigconvStrategy
+    if plant == "no_replica_average":  # the replicas' gradients summed, not averaged as DDP does
+        class NoAverage(BigconvStrategy):
+            def backward(self, loss, optimizer, *args, **kwargs):
+                return pl.strategies.DDPStrategy.backward(self, loss, optimizer, *args, **kwargs)
+        cls = NoAverage
+    elif plant == "whole_batch_sampler":  # every rank draws its own part of the data, as under DDP
+        class EveryRank(BigconvStrategy):
+            @property
+            def distributed_sampler_kwargs(self):
+                return {"num_replicas": self.world_size, "rank": self.global_rank}
+        cls = EveryRank
+    strategy = cls(grid=grid, replicas=replicas, timeout=30.0)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=STEPS,
+                         accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.05, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(dataset(kind, replicas), batch_size=BATCH, shuffle=False)
+    trainer.fit(lit, loader)
+    state = {k: v.detach().clone() for k, v in lit.model.state_dict().items()}
+    keys = sorted(lit.state_dict())
+    r = {"keys": keys, "logged": lit.logged, "callback_loss": float(trainer.callback_metrics["loss"])}
+    ref = one_process(kind, replicas)
+    r["errors"] = {k: nl.rel(state[k], v) for k, v in ref.items()}
+    return r
+
+
+CASES = {"(2,2)/cls": ("cls", (2, 2), 1, None), "R2x(2,1)/seg": ("seg", (2, 1), 2, None),
+         "R2x(2,1)/cls": ("cls", (2, 1), 2, None),
+         "plant/no_replica_average": ("cls", (2, 1), 2, "no_replica_average"),
+         "plant/whole_batch_sampler": ("cls", (2, 1), 2, "whole_batch_sampler")}
+
+
+def run_all() -> dict:
+    import os
+
+    torch.set_num_threads(1)
+    results = {}
+    base = int(os.environ["BIGCONV_PORT"])
+    for i, (name, (kind, grid, replicas, plant)) in enumerate(CASES.items()):
+        os.environ["BIGCONV_PORT"] = str(base + 10 * i)  # each Trainer's world its own store port
+        try:
+            results[name] = train(kind, grid, replicas, plant)
+        except Exception as exc:
+            import traceback
+
+            results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+    return results
