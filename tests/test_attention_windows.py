@@ -37,14 +37,53 @@ def _verdict(model, world, x, y, loss=None, grid=(2, 2)):
     return r
 
 
+SWIN_SIZES = {
+    "aligned": (2, 3, 32, 32),  # 8x8 patches: 2x2 windows of 2 per shard in stage 1 (shifted by 1), 1 in stage 2
+    "rectangular": (2, 3, 64, 32),  # 16x8 patches: 4x2 windows per shard, then 2x1
+    "held-whole": (2, 3, 16, 16),  # stage 2 is 2x2: one window for two shards along each dim, held whole
+}
+
+
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", sorted(SWIN_SIZES))
 @pytest.mark.parametrize("v2", [False, True], ids=["swin-v1", "swin-v2"])
-def test_torchvision_swin_windows_split_exactly(world, v2):
-    """8x8 patches on 2x2 shards: 2x2 windows of 2 per shard in stage 1 (shifted by 1), one in stage 2."""
+def test_torchvision_swin_windows_split_exactly(world, v2, size):
     torch.manual_seed(0)
     model = tiny_swin(v2).double()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 3, 32, 32, generator=g, dtype=torch.float64)
+    x = torch.randn(*SWIN_SIZES[size], generator=g, dtype=torch.float64)
     r = _verdict(model, world, x, torch.tensor([0, 2]))
     assert_exact(r)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_windows_cut_by_shards_refused_naming_sizes_that_work(refused_before_remote_work):
+    """9x7 patches padded to 10x8: shards of 5 rows cut windows of 2; the sizes that work are named."""
+    refused_before_remote_work(tiny_swin().double(), ["ShiftedWindowAttention", "windows of 2", "[5, 5]",
+                                                      "e.g. 8, 12 instead of 10", "fewer windows than shards"],
+                               shape=(2, 3, 36, 28))
+
+
+def _swin_unetr(dims: int):
+    from monai.networks.nets import SwinUNETR
+
+    torch.manual_seed(0)
+    return SwinUNETR(in_channels=1, out_channels=2, feature_size=12, spatial_dims=dims, depths=(1, 1, 1, 1),
+                     num_heads=(1, 1, 1, 1), window_size=4).double()
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dims,shape,grid", [
+    pytest.param(2, (1, 1, 64, 64), (2, 2), id="2d"),
+    pytest.param(3, (1, 1, 64, 64, 64), (1, 2, 2), id="3d", marks=pytest.mark.zoo),  # 5 min on 2 cores: -m zoo
+])
+def test_monai_swin_unetr_windows_split_exactly(world, dims, shape, grid):
+    """Windows of 4: stages of 32, 16 and 8 positions split (16, 8 and 4 per shard), 4 and 2 held whole."""
+    model = _swin_unetr(dims)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    y = torch.randn(shape[0], 2, *shape[2:], generator=g, dtype=torch.float64)
+    assert_exact(_verdict(model, world, x, y, nn.MSELoss(), grid=grid))

@@ -16,6 +16,9 @@ GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
 SPATIAL_DIMS_ATTR = "_bigconv_spatial_dims"
 """Negative positions of the spatial dims, in grid-axis order, when they are not the trailing ones."""
 REPLICATED_ATTR = "_bigconv_replicated"
+WHOLE_WINDOWS_ATTR = "_bigconv_whole_windows"
+"""Marks windows of a map with fewer windows than shards, gathered whole on every shard
+(``bigconv.ops.windows``): ``(the map's global spatial shape, its layout, its rank)``."""
 """Marks a whole spatial map held by every worker: one too small to split over the grid."""
 
 

@@ -28,7 +28,7 @@ import torch
 from ..geometry.boxes import balanced_bounds
 from .context import RuleContext
 from .dims import neg_dims, nonneg_dims
-from .shards import WindowGrid, bind, global_shape, global_size, mark, mark_positions, positions
+from .shards import WHOLE_WINDOWS_ATTR, WindowGrid, bind, tree_flatten, global_shape, global_size, mark, mark_positions, positions
 
 FIX = ("Window attention needs every shard to hold whole windows: give the map a size along that dim that is a "
        "multiple of the window times the shards along it")
@@ -108,7 +108,9 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
         local_target = list(target)
         local_target[k] = lead * math.prod(mode.executor.local_shape(shape))
         return mark_positions(_call(func, x, local_target), WindowGrid(shape, lead), k - len(target))
-    if windows:
+    if windows and not all(aligned(mode, shape[a], w, a) for a, w in windows.items()):
+        if all(aligned(mode, shape[a], w, a) or shape[a] // w < mode.executor.grid[a] for a, w in windows.items()):
+            return _split_whole(mode, func, x, target)  # fewer windows than shards: held whole
         for axis, w in windows.items():
             check_aligned(mode, func, shape[axis], w, axis)
     local_target = list(target)
@@ -120,6 +122,35 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
     out = _call(func, x, local_target)
     dims = [out_spatial[a] for a in range(mode.dims)]
     return mark(out, tuple(out_shape), neg_dims(dims, len(target)))
+
+
+def aligned(mode: RuleContext, n: int, w: int, axis: int) -> bool:
+    return all((b - a) % w == 0 for a, b in balanced_bounds(n, mode.executor.grid[axis]))
+
+
+def _split_whole(mode: RuleContext, func, x: torch.Tensor, target: list) -> torch.Tensor:
+    """The window partition of the whole map, gathered on every shard (differentiably: each shard's
+    gradient of its copy returns to the owners); what follows runs on whole tensors (``on_whole``) up to
+    their join with a sharded map, where each shard keeps its part."""
+    shape, layout = global_shape(x), tuple(mode.layout(x))
+    spatial = nonneg_dims(layout, x.dim())
+    order = [d for d in range(x.dim()) if d not in spatial] + spatial
+    whole = mode.executor.gather_all(x.permute(order), shape).permute([order.index(d) for d in range(x.dim())])
+    out = _call(func, whole, target)
+    setattr(out, WHOLE_WINDOWS_ATTR, (tuple(shape), layout, x.dim()))
+    return out
+
+
+def on_whole(mode: RuleContext, func, args, kwargs, held: tuple):
+    """A call on windows of a map held whole (``_split_whole``): as it is, every tensor output whole too.
+    They become shards again where they join a sharded map (Swin's residual ``shortcut + x``: the
+    pointwise rule takes this shard's part of an operand of the image's size), not at the merge back,
+    which a one-window map cannot tell from the windows themselves ((B * 1, w, w, C) is (B, H, W, C))."""
+    out = func(*args, **kwargs)
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            setattr(t, WHOLE_WINDOWS_ATTR, held)
+    return out
 
 
 def check_aligned(mode: RuleContext, func, n: int, w: int, axis: int) -> None:
