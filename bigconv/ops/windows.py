@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..geometry.boxes import balanced_bounds
+from . import subpixel
 from .context import RuleContext
 from .dims import neg_dims, nonneg_dims
 from .shards import WHOLE_WINDOWS_ATTR, WindowGrid, bind, tree_flatten, global_shape, global_size, mark, mark_positions, positions
@@ -82,6 +83,7 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
     out_spatial: dict[int, int] = {}  # grid axis -> output dim
     out_shape = list(shape)
     windows: dict[int, int] = {}  # grid axis -> window split off it
+    merges: dict[int, int] = {}  # grid axis -> window merged into it
     flat = None
     for ins, outs in found:
         axes = [axis_of[p] for p in ins if p in axis_of]
@@ -96,6 +98,7 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
         elif len(ins) == 2 and len(outs) == 1 and ins[0] in axis_of and ins[1] not in axis_of:  # (n/w, w) -> n
             out_spatial[axes[0]] = outs[0]
             out_shape[axes[0]] = target[outs[0]]
+            merges[axes[0]] = size[ins[1]]
         elif (len(outs) == 1 and len(axes) == mode.dims and axes == list(range(mode.dims))
               and list(ins)[-mode.dims:] == spatial):  # (lead, nH, nW) -> lead * nH * nW: windows as positions
             flat = (outs[0], math.prod(size[p] for p in ins if p not in axis_of))
@@ -111,17 +114,62 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
     if windows and not all(aligned(mode, shape[a], w, a) for a, w in windows.items()):
         if all(aligned(mode, shape[a], w, a) or shape[a] // w < mode.executor.grid[a] for a, w in windows.items()):
             return _split_whole(mode, func, x, target)  # fewer windows than shards: held whole
+        if len(windows) == mode.dims and _plain_elsewhere(found, axis_of):  # re-sharded by whole windows
+            return _exchange(mode, func, x, found, axis_of, target, [windows[a] for a in range(mode.dims)], True)
         for axis, w in windows.items():
             check_aligned(mode, func, shape[axis], w, axis)
     local_target = list(target)
     local_out = mode.executor.local_shape(tuple(out_shape))
     for axis, d in out_spatial.items():
         local_target[d] = local_out[axis]
-    if math.prod(local_target) != x.numel():  # a merge of windows this shard does not hold whole
+    if any(math.prod(x.shape[p] for p in ins) != math.prod(local_target[q] for q in outs)
+           for ins, outs in found):  # windows merged off the image's shards
+        if len(merges) == mode.dims and _plain_elsewhere(found, axis_of, merging=True):
+            return _exchange(mode, func, x, found, axis_of, target, [merges[a] for a in range(mode.dims)], False)
         return None
     out = _call(func, x, local_target)
     dims = [out_spatial[a] for a in range(mode.dims)]
     return mark(out, tuple(out_shape), neg_dims(dims, len(target)))
+
+
+def _plain_elsewhere(found, axis_of: dict, merging: bool = False) -> bool:
+    """Every group of the reshape without a spatial dim keeps its one dim as it is."""
+    return all(len(ins) == 1 and len(outs) == 1 for ins, outs in found
+               if not any(p in axis_of for p in ins))
+
+
+def _exchange(mode: RuleContext, func, x: torch.Tensor, found, axis_of: dict, target: list, factors: list[int],
+              split: bool) -> torch.Tensor:
+    """A window partition (``split``) or merge whose windows the shards do not hold whole: the spatial dims
+    moved last, the space-to-depth (or depth-to-space) rule of ``bigconv.ops.subpixel``, which re-shards
+    by whole windows (or back to the image's shards) with an exchange, and the dims put where the
+    reshape puts them. Exact both ways; what follows holds whole windows."""
+    shape = global_shape(x)
+    plain = [p for ins, _ in found for p in ins if not any(q in axis_of for q in ins)]
+    by_axis = {axis_of[p]: ins for ins, _ in found for p in ins if p in axis_of}
+    if split:
+        order = plain + [p for a in range(mode.dims) for p in by_axis[a]]
+        out = subpixel.split_spatial(mode, func, mark(x.permute(order), shape), factors)
+        # out: (plain..., n1/r1, r1, n2/r2, r2, ...)
+        index, k = {}, len(plain)
+        for ins, outs in found:
+            if ins[0] in axis_of:
+                index[outs[0]], index[outs[1]] = k + 2 * axis_of[ins[0]], k + 2 * axis_of[ins[0]] + 1
+            else:
+                index[outs[0]] = plain.index(ins[0])
+    else:
+        order = plain + [p for a in range(mode.dims) for p in by_axis[a]]
+        out = subpixel.merge_spatial(mode, func, mark(x.permute(order), shape), factors)
+        # out: (plain..., n1*r1, n2*r2, ...)
+        index = {}
+        for ins, outs in found:
+            index[outs[0]] = len(plain) + axis_of[ins[0]] if ins[0] in axis_of else plain.index(ins[0])
+    perm = [index[j] for j in range(len(target))]
+    spatial_out = global_shape(out)
+    if spatial_out is None:  # smaller than the grid: whole, as the rule left it
+        return out.permute(perm)
+    at = [perm.index(len(plain) + (2 * a if split else a)) for a in range(mode.dims)]
+    return mark(out.permute(perm), spatial_out, neg_dims(at, len(target)))
 
 
 def aligned(mode: RuleContext, n: int, w: int, axis: int) -> bool:
