@@ -100,3 +100,27 @@ def test_monai_swin_unetr_windows_split_exactly(world, dims, shape, grid):
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     y = torch.randn(shape[0], 2, *shape[2:], generator=g, dtype=torch.float64)
     assert_exact(_verdict(model, world, x, y, nn.MSELoss(), grid=grid))
+
+
+class PadBeyondAShard(nn.Module):
+    """Swin v2 pads a 4x4 map to its window of 8: on 2x2 shards, the second shard's part is all padding and
+    reads none of its input; its backward must still take back the gradients of the halos it sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(1, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).permute(0, 2, 3, 1)
+        h = nn.functional.pad(h, (0, 0, 0, 4, 0, 4)).permute(0, 3, 1, 2)
+        return self.b(h)[..., 1:5, 1:5]
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(240)
+def test_padding_beyond_a_shard_trains_exactly(world):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 4, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(2, 2, 4, 4, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(PadBeyondAShard().double(), world, x, y, nn.MSELoss()))

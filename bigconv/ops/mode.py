@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from .context import Executor
 from .positions import gather_positions
 from .positions import refuse as refuse_positions
-from .random import ForwardDraws, RandomDraws
+from .random import DRAWING, ForwardDraws, RandomDraws
 from .shards import (
     FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, WHOLE_WINDOWS_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, ModulePath, UnsupportedOperation,
     global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
@@ -122,7 +122,8 @@ class ShardMode(TorchFunctionMode):
         if flat:
             return self.on_positions(func, args, kwargs, bool(shapes))
         if windows is not None and not shapes:  # window attention on a map held whole (bigconv.ops.windows)
-            return on_whole_windows(self, func, args, kwargs, windows)
+            draws = WHOLE_RULES[func] if func in DRAWING else None  # drop path: bigconv's draws, as elsewhere
+            return on_whole_windows(self, func, args, kwargs, windows, draws)
         if not shapes:
             whole = WHOLE_RULES.get(func)
             if whole is not None:

@@ -189,12 +189,14 @@ def _split_whole(mode: RuleContext, func, x: torch.Tensor, target: list) -> torc
     return out
 
 
-def on_whole(mode: RuleContext, func, args, kwargs, held: tuple):
+def on_whole(mode: RuleContext, func, args, kwargs, held: tuple, draws=None):
     """A call on windows of a map held whole (``_split_whole``): as it is, every tensor output whole too.
     They become shards again where they join a sharded map (Swin's residual ``shortcut + x``: the
     pointwise rule takes this shard's part of an operand of the image's size), not at the merge back,
-    which a one-window map cannot tell from the windows themselves ((B * 1, w, w, C) is (B, H, W, C))."""
-    out = func(*args, **kwargs)
+    which a one-window map cannot tell from the windows themselves ((B * 1, w, w, C) is (B, H, W, C)).
+    Random draws (``draws``, the rule of ``bigconv.ops.random``: a drop path) are bigconv's, as one
+    process draws them."""
+    out = draws(mode, func, args, kwargs, False) if draws is not None else func(*args, **kwargs)
     for t in tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor):
             setattr(t, WHOLE_WINDOWS_ATTR, held)
@@ -242,7 +244,7 @@ def positions_to_map(mode: RuleContext, func, x: torch.Tensor, grid: WindowGrid,
         for k1 in range(k0, len(target)):
             if math.prod(target[k0:k1 + 1]) == total and math.prod(target[k1 + 1:]) == after:
                 local = list(target)
-                if k1 + 1 - k0 > d and tuple(target[k1 + 1 - d:k1 + 1]) == tuple(grid):  # a map of windows
+                if k1 + 1 - k0 >= d and tuple(target[k1 + 1 - d:k1 + 1]) == tuple(grid):  # a map of windows
                     local[k1 + 1 - d:k1 + 1] = mode.executor.local_shape(tuple(grid))
                     out = _call(func, x, local)
                     return mark(out, tuple(grid), tuple(range(k1 + 1 - d - len(target), k1 + 1 - len(target))))
