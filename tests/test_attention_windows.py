@@ -19,12 +19,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-
-import bigconv
-from bigconv.compat import allow_torchvision_without_ops
-from bigconv.verify import compare_training
 from issue37_models import tiny_swin
 from verdicts import assert_exact
+
+from bigconv.compat import allow_torchvision_without_ops
+from bigconv.verify import compare_training
 
 allow_torchvision_without_ops()  # before torchvision (and timm, which imports it)
 

@@ -14,9 +14,12 @@ shard's windows. The reverse (unflattening the windows back into ``(B, nH, nW, .
 ``(nH, w)`` into ``n``) is local too. Any number of spatial dims.
 
 Balanced shards are a multiple of ``w`` exactly when ``n`` is a multiple of ``w`` times the shards
-along that dim; a map with fewer windows than shards along a dim is gathered whole on every shard
-(as small maps are) and the window attention runs on whole tensors up to the merge back, which
-keeps this shard's part. Any other size is refused, naming the window and the sizes that work.
+along that dim. At other sizes a partition of every spatial dim is re-sharded by whole windows with
+an exchange (``bigconv.ops.subpixel``'s space-to-depth, the spatial dims moved last), and the merge
+back by its inverse; a map with fewer windows than shards along a dim is gathered whole on every
+shard (as small maps are) and the window attention runs on whole tensors until they join a sharded
+map, where each shard takes its part. A partition of only some spatial dims at a size whose shards
+cut windows is refused, naming the window and the sizes that work.
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ from ..geometry.boxes import balanced_bounds
 from . import subpixel
 from .context import RuleContext
 from .dims import neg_dims, nonneg_dims
-from .shards import WHOLE_WINDOWS_ATTR, WindowGrid, bind, tree_flatten, global_shape, global_size, mark, mark_positions, positions
+from .shards import (
+    WHOLE_WINDOWS_ATTR,
+    WindowGrid,
+    bind,
+    global_shape,
+    global_size,
+    mark,
+    mark_positions,
+    positions,
+    tree_flatten,
+)
 
 FIX = ("Window attention needs every shard to hold whole windows: give the map a size along that dim that is a "
        "multiple of the window times the shards along it")
