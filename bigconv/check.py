@@ -46,7 +46,10 @@ import torch.nn as nn
 from .geometry.boxes import TransposedWindow, Window, balanced_bounds, check_positive_int, choose_grid, validate_grid
 from .harness import devices
 from .harness.model_spec import FORMS, build_model
-from .ops.shards import global_shape, is_replicated
+from .ops.shards import (
+    GATHER_ATTR, WHOLE_WINDOWS_ATTR, global_shape, is_replicated, lead, positions, spatial_dims, tree_flatten,
+)
+from .ops.whole import HOLD_ATTR
 from .planning import Planner
 from .runtime.world import WORKER_ENV
 
@@ -73,6 +76,10 @@ class LayerRow:
     """Input pixels one output position sees (an upper bound: the sum over the windowed layers run so far)."""
     shard_input: list
     """Worker 0's part of the image, to hold the receptive field against."""
+    macs: int = 0
+    """Multiply-adds of the layer on the whole image (weights times output positions)."""
+    elements: int = 0
+    """Elements of its output on the whole image (what it adds to the activations)."""
 
 
 def _ntuple(value, n: int) -> tuple:
@@ -111,20 +118,44 @@ def halo_width(window, n_in: int, n_out: int, parts: int) -> int:
     return max(widest, 0)
 
 
-def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...], dtype=torch.float32
-                 ) -> tuple[list[LayerRow], BaseException | None]:
-    """Dry-run ``model`` on ``shape`` over ``grid``; the windowed layers it ran, and the error it raised."""
+def attention_strategy(module: nn.Module, args, out) -> str:
+    """How the shards computed an attention module's call (``bigconv.ops.windows``, ``positions``, ``whole``)."""
+    if getattr(module, HOLD_ATTR, False):
+        return "held whole (bigconv.hold_whole): the whole map on every worker"
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    if any(WHOLE_WINDOWS_ATTR in t.__dict__ for t in outs):
+        return "windows held whole (fewer windows than workers): the whole map on every worker"
+    if any(positions(t) is not None and GATHER_ATTR in t.__dict__ for t in ins):
+        return "gathered whole (attention between all positions): every token on every worker"
+    if any(global_shape(t) is not None or positions(t) is not None for t in outs):
+        return "split: each worker its own windows (no keys from other workers)"
+    return "replicated: its input was already whole on every worker (tokens gathered before it, or a small map)"
+
+
+def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...], dtype=torch.float32,
+                 attention: list | None = None) -> tuple[list[LayerRow], BaseException | None]:
+    """Dry-run ``model`` on ``shape`` over ``grid``; the windowed layers it ran, and the error it raised.
+    ``attention``, if given, receives ``(module name, strategy)`` for every attention module called
+    (a module whose class name says Attention or Attn)."""
     planner = Planner(model, grid, math.prod(grid), check_finite=False)
     n = len(grid)
     seen: list[tuple[str, nn.Module, tuple, tuple, bool]] = []
     handles = []
     for name, module in planner.meta.named_modules():
+        kind = type(module).__name__.lower()
+        if attention is not None and ("attention" in kind or "attn" in kind):
+            def attn_hook(mod, args, out, name=name):
+                if threading.current_thread().name == "bigconv-dry-run-0":
+                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out)))
+            handles.append(module.register_forward_hook(attn_hook))
         if windows(module, n) is not None or isinstance(module, nn.Linear):
             def hook(mod, args, out, name=name):
                 if threading.current_thread().name != "bigconv-dry-run-0" or not args:
                     return
-                split = not is_replicated(out) and global_shape(out) is not None
-                seen.append((name, mod, _spatial(args[0]), _spatial(out), split))
+                # Windows or tokens flattened from a map are split too (bigconv.ops.windows/positions)
+                split = not is_replicated(out) and (global_shape(out) is not None or positions(out) is not None)
+                seen.append((name, mod, _spatial(args[0]), _spatial(out), split, _work(mod, out, n)))
             handles.append(module.register_forward_hook(hook))
     error = None
     try:
@@ -135,6 +166,37 @@ def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...]
         for h in handles:
             h.remove()
     return _rows(seen, shape, grid), error
+
+
+def _work(module: nn.Module, out, n: int) -> tuple[int, int]:
+    """(multiply-adds, output elements) of a layer on the whole image; under the mode a split tensor's
+    ``numel`` is the whole image's."""
+    if not isinstance(out, torch.Tensor):
+        return 0, 0
+    with torch._C.DisableTorchFunction():  # the local tensor's own sizes
+        size = list(out.shape)
+    if global_shape(out) is not None:
+        for d, g in zip(spatial_dims(out, n), global_shape(out)):
+            size[d] = g
+    elif positions(out) is not None:
+        grid, dim = positions(out)
+        size[dim] = lead(grid) * math.prod(grid)
+    elements = math.prod(size)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() == 0:
+        return 0, elements
+    channels = weight.shape[0] if not isinstance(module, nn.modules.conv._ConvTransposeNd) else weight.shape[1]
+    channels *= getattr(module, "groups", 1) if isinstance(module, nn.modules.conv._ConvTransposeNd) else 1
+    return weight.numel() * elements // max(channels, 1), elements
+
+
+def split_share(rows: list[LayerRow]) -> dict:
+    """How much of the layers' compute and output activations is split over the workers, not replicated."""
+    macs = sum(r.macs for r in rows)
+    elements = sum(r.elements for r in rows)
+    return {"compute": sum(r.macs for r in rows if r.split) / macs if macs else 1.0,
+            "activations": sum(r.elements for r in rows if r.split) / elements if elements else 1.0,
+            "replicated_layers": sum(not r.split for r in rows), "layers": len(rows)}
 
 
 def _spatial(t) -> tuple[int, ...] | None:
@@ -149,9 +211,10 @@ def _rows(seen, shape, grid) -> list[LayerRow]:
     n, image = len(grid), tuple(shape[2:])
     shard_input = [hi - lo for lo, hi in (balanced_bounds(s, g)[0] for s, g in zip(image, grid))]
     rows, field = [], 1
-    for name, module, x_shape, out_shape, split in seen:
-        if x_shape is None:  # a head on a pooled vector
-            rows.append(LayerRow(name, type(module).__name__, [], [], [], [0] * n, False, field, shard_input))
+    for name, module, x_shape, out_shape, split, (macs, elements) in seen:
+        if x_shape is None or out_shape is None:  # a head on a pooled vector
+            rows.append(LayerRow(name, type(module).__name__, [], [], [], [0] * n, split, field, shard_input, macs,
+                                 elements))
             continue
         ws = windows(module, n)
         if ws is not None:
@@ -162,7 +225,7 @@ def _rows(seen, shape, grid) -> list[LayerRow]:
         shard = [hi - lo for lo, hi in (balanced_bounds(o, g)[0] for o, g in zip(out_shape, grid))] \
             if split else list(out_shape)
         rows.append(LayerRow(name, type(module).__name__, list(x_shape), list(out_shape), shard, halo, split,
-                             field, shard_input))
+                             field, shard_input, macs, elements))
     return rows
 
 
@@ -354,12 +417,15 @@ def check(args) -> dict:
     result = {"model": args.model, "input": list(shape), "workers": args.workers, "grid": list(grid)}
     model = build_model(args.model)
     try:
-        rows, error = layer_report(model, shape, grid)
+        attention: list = []
+        rows, error = layer_report(model, shape, grid, attention=attention)
     except ValueError as exc:
         rows, error = [], exc
+    result["attention"] = [{"module": m, "type": t, "strategy": s} for m, t, s in attention]
     result["decomposable"] = error is None
     result["refusal"] = None if error is None else {"error": type(error).__name__, "message": str(error)}
     result["layers"] = [as_dict(r) for r in rows]
+    result["split"] = split_share(rows) if rows else None
     result["memory"] = None
     if not (args.no_memory or error):
         try:
@@ -395,6 +461,17 @@ def report(r: dict) -> str:
                      f"{max(row['halo'] or [0]):>6}  {'split' if row['split'] else 'replicated':10} {fov}")
     lines.append("(halo: widest, in input positions; receptive field: an upper bound, summed over the windowed "
                  "layers so far)")
+    share = r.get("split")
+    if share:
+        lines += ["", f"Split over the workers: {share['compute']:.0%} of the layers' compute, {share['activations']:.0%} "
+                  f"of their output activations ({share['replicated_layers']} of {share['layers']} layers replicated: "
+                  "whole on every worker)"]
+        for a in r.get("attention") or []:
+            lines.append(f"  attention {a['module']} ({a['type']}): {a['strategy']}")
+        if share["compute"] < 0.5 or share["activations"] < 0.5:
+            lines.append("WARNING: most of this model runs replicated on every worker (maps smaller than the grid, "
+                         "tokens gathered whole for attention between all positions): more workers will not make it "
+                         "fit or run faster; see docs/models.md")
     m = r["memory"]
     if m and "error" in m:
         lines += ["", f"Memory: not estimated: {m['error'][-600:]}"]

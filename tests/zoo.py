@@ -485,6 +485,11 @@ ZOO: list[ZooEntry] = [
     _e("torchvision/regnet_y", "regnet", tv_regnet_y, (2, 3, 72, 88), 3, (1, 3), note="RegNet(depth 4, w_0 8, SE)"),
     _e("torchvision/convnext", "convnext", tv_convnext, (2, 3, 64, 64), 2, (2, 1),
        note="ConvNeXt(1 block/stage, dims 16..128), stochastic_depth_prob=0"),
+    _e("torchvision/swin_t", "swin", lambda: _tv().swin_t(num_classes=NUM_CLASSES), (1, 3, 112, 112), 4, (2, 2),
+       note="unchanged swin_t (stochastic depth 0.2 drawn by position) at 112 px: windows of 7 split by the rules "
+       "on 28x28 and 14x14 maps, 7x7 and 4x4 held whole (bigconv/ops/windows.py)"),
+    _e("torchvision/swin_v2_t", "swin", lambda: _tv().swin_v2_t(num_classes=NUM_CLASSES), (1, 3, 128, 128), 4,
+       (2, 2), note="unchanged swin_v2_t at 128 px: windows of 8 split on 32x32 and 16x16, 8x8 and 4x4 held whole"),
     _e("torchvision/googlenet", "inception", tv_googlenet, (2, 3, 64, 64), 2, (2, 1),
        note="aux_logits=False, transform_input=False, dropout=0"),
     _e("torchvision/inception_v3", "inception", tv_inception_v3, (4, 3, 128, 128), 2, (1, 2),
@@ -563,6 +568,10 @@ ZOO: list[ZooEntry] = [
        note="space-to-depth stem (timm's view-permute-view, decomposed as space to depth), anti-aliased "
        "downsampling"),
     _e("timm/hgnetv2_b0", "hgnet", timm_model("hgnetv2_b0"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/swin_tiny_patch4_window7_224", "swin", timm_model("swin_tiny_patch4_window7_224", img_size=112),
+       (1, 3, 112, 112), 4, (2, 2), note="img_size=112; PatchMerging's reshape re-sharded by whole 2x2 blocks"),
+    _e("timm/swinv2_tiny_window8_256", "swin", timm_model("swinv2_tiny_window8_256", img_size=128),
+       (1, 3, 128, 128), 4, (2, 2), note="img_size=128"),
     _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 2, (2, 1),
        expect="refused", reason=ATTENTION, match=r"self_attn|BottleneckAttn", note="img_size=64"),
     # -- segmentation_models_pytorch -----------------------------------------------------------------

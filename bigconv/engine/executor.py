@@ -50,6 +50,22 @@ class _AddInto(torch.autograd.Function):
         return grad, grad[ctx.index], None
 
 
+class _Tied(torch.autograd.Function):
+    """``out``, made to depend on ``x`` with a zero gradient: a shard whose output reads none of its input
+    (all padding) still runs the backward of the exchange that sent its input's halos, which receives
+    the gradients its peers send back (without it they wait forever)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.x_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
 def check_output_fits(in_shape, windows: Sequence[Window], grid, where: str) -> tuple[int, ...]:
     out_shape = tuple(w.out_size(n) for w, n in zip(windows, in_shape))
     for axis, (m, g) in enumerate(zip(out_shape, grid)):
@@ -355,7 +371,10 @@ class ShardExecutor(Executor):
         x, started = self._start_halos(x, shape, windows, plan, my_box, key, first)
         if any(a >= b for a, b in plan.need):
             self._receive_halos(plan, x, my_box, started, where)  # its sends must still complete
-            return op(None, plan)
+            out = op(None, plan)
+            if isinstance(out, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+                out = _Tied.apply(out, x)
+            return out
         if not all(isinstance(w, Window) for w in windows):
             sources = self._receive_halos(plan, x, my_box, started, where)
             return op(self._region(plan.out_box, windows, shape, sources, first, fill=fill), plan)

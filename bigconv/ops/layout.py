@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import slicing, subpixel
+from . import slicing, subpixel, windows
 from .context import RuleContext
 from .dims import int_dims, neg_dims, nonneg_dims, size_args
 from .shards import FLATTEN_FIX, global_shape, global_size, mark, mark_positions, trailing, tree_flatten
@@ -207,6 +207,9 @@ def _reshape(mode: RuleContext, func, args, kwargs):
             and target[-1] in (-1, global_size(x, d)[-d:].numel())):
         return mark_positions(x.reshape(*lead, -1), shape, -1)  # x.reshape(N, C, -1): see bigconv.ops.positions
     if mode.layout(x) != trailing(d) or len(target) < d or tuple(target[-d:]) != tuple(shape):
+        out = windows.reshape_map(mode, func, x, target)  # window partitions and merges (bigconv.ops.windows)
+        if out is not None:
+            return out
         raise mode.unsupported(func, f"it reshapes an image of spatial shape {shape} into {tuple(target)}, "
                                "moving values across its spatial dims", FLATTEN_FIX)
     out = func(x, (*target[:-d], *mode.executor.local_shape(shape)))

@@ -36,12 +36,13 @@ from torch.utils._pytree import tree_map
 from .context import Executor
 from .positions import gather_positions
 from .positions import refuse as refuse_positions
-from .random import ForwardDraws, RandomDraws
+from .random import DRAWING, ForwardDraws, RandomDraws
 from .shards import (
-    FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, ModulePath, UnsupportedOperation,
+    FIX_GENERIC, GATHER_ATTR, REPLICATED_ATTR, WHOLE_WINDOWS_ATTR, SPATIAL_DIMS_ATTR, SPECIFIC_FIXES, ModulePath, UnsupportedOperation,
     global_shape, is_replicated, mark, op_name, positions, spatial_dims, trailing, tree_flatten,
 )
 from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
+from .windows import on_whole as on_whole_windows
 
 
 _ACTIVE = threading.local()
@@ -107,7 +108,7 @@ class ShardMode(TorchFunctionMode):
         if self.held:  # inside a module held whole: its tensors are whole, not shards
             return func(*args, **kwargs)
         leaves = tree_flatten((args, kwargs))[0]
-        shapes, replicated, flat = set(), False, False
+        shapes, replicated, flat, windows = set(), False, False, None
         for t in leaves:
             shape = global_shape(t)
             if shape is not None:
@@ -116,8 +117,13 @@ class ShardMode(TorchFunctionMode):
                 replicated = True
             elif not flat and positions(t) is not None:
                 flat = True
+            elif windows is None and isinstance(t, torch.Tensor) and WHOLE_WINDOWS_ATTR in t.__dict__:
+                windows = t.__dict__[WHOLE_WINDOWS_ATTR]
         if flat:
             return self.on_positions(func, args, kwargs, bool(shapes))
+        if windows is not None and not shapes:  # window attention on a map held whole (bigconv.ops.windows)
+            draws = WHOLE_RULES[func] if func in DRAWING else None  # drop path: bigconv's draws, as elsewhere
+            return on_whole_windows(self, func, args, kwargs, windows, draws)
         if not shapes:
             whole = WHOLE_RULES.get(func)
             if whole is not None:

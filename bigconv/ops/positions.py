@@ -27,7 +27,8 @@ from .context import RuleContext
 from .dims import int_dims, size_args
 from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH
 from .reduce import global_extreme
-from .shards import bind, mark_positions, positions, tree_flatten
+from .shards import WindowGrid, bind, lead, mark_positions, positions, tree_flatten
+from .windows import local_windows, positions_to_map
 
 
 RULES: dict = {}
@@ -49,7 +50,7 @@ def refuse(mode: RuleContext, func, reason: str = "it is not a reduction over th
 
 
 def _count(shape) -> int:
-    n = 1
+    n = lead(shape)  # windows flattened with the batch (bigconv.ops.windows): the batch's count in front
     for s in shape:
         n *= s
     return n
@@ -79,9 +80,10 @@ def gather_positions(mode: RuleContext, t):
     shape, dim = positions(t)
     k = dim % t.dim()
     moved = t.movedim(k, -1)
-    local = moved.reshape(*moved.shape[:-1], *mode.executor.local_shape(shape))
-    whole = mode.executor.gather_all(local, shape)
-    return whole.reshape(*whole.shape[: whole.dim() - len(shape)], -1).movedim(-1, k)
+    extra = (lead(shape),) if lead(shape) > 1 else ()  # windows merged with the batch: the batch in front
+    local = moved.reshape(*moved.shape[:-1], *extra, *mode.executor.local_shape(shape))
+    whole = mode.executor.gather_all(local, tuple(shape))
+    return whole.reshape(*whole.shape[: whole.dim() - len(shape) - len(extra)], -1).movedim(-1, k)
 
 
 # -- per-position ops -----------------------------------------------------------------------------
@@ -92,10 +94,26 @@ def _pointwise(mode: RuleContext, func, args, kwargs):
     if len(out_dim) != 1:
         raise refuse(mode, func, "its operands hold the positions in different dims")
     dim = out_dim.pop()
+    full = {}
     for t in leaves:
         if isinstance(t, torch.Tensor) and positions(t) is None and t.dim() >= -dim and t.shape[dim] != 1:
-            raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
+            if t.shape[dim] != _count(shape) or not isinstance(shape, WindowGrid):
+                raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
+            # As long as every position (Swin's shifted-window mask, a row per window): this shard's part
+            full[id(t)] = local_windows(mode, t, shape, dim)
+    if full:
+        args, kwargs = _swap((args, kwargs), full)
     return _mark(func(*args, **kwargs), shape, dim)
+
+
+def _swap(tree, new: dict):
+    if isinstance(tree, torch.Tensor):
+        return new.get(id(tree), tree)
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_swap(v, new) for v in tree)
+    if isinstance(tree, dict):
+        return {k: _swap(v, new) for k, v in tree.items()}
+    return tree
 
 
 def _mark(out, shape, dim: int):
@@ -153,6 +171,9 @@ def _reshape(mode: RuleContext, func, args, kwargs):
         if t == total and _count(target[:k]) == before and _count(target[k + 1:]) == after:
             local = [*target[:k], x.shape[pos], *target[k + 1:]]
             return mark_positions(func(x, local), shape, k - len(target))
+    out = positions_to_map(mode, func, x, shape, dim, target) if isinstance(shape, WindowGrid) else None
+    if out is not None:  # windows (bigconv.ops.windows) back into a map of windows, or split from the batch
+        return out
     raise refuse(mode, func, f"it reshapes them into {tuple(target)}, mixing the positions with other dims")
 
 
@@ -275,6 +296,19 @@ def _matmul(mode: RuleContext, func, args, kwargs):
         return mark_positions(func(*args, **kwargs), pa[0], -2)
     if pb is not None and pa is None and b.dim() >= 2 and b_dim == b.dim() - 1:
         return mark_positions(func(*args, **kwargs), pb[0], -1)
+    batch_a = pa is not None and a.dim() > 2 and a_dim < a.dim() - 2
+    batch_b = pb is not None and b.dim() > 2 and b_dim < b.dim() - 2
+    if (batch_a or batch_b) and not (pa is not None and not batch_a) and not (pb is not None and not batch_b):
+        # Positions in a batch dim of both (window attention: the windows are a batch): per position
+        n = max(a.dim(), b.dim())
+        dims = {(pa[1] % a.dim()) - a.dim() if batch_a else None, (pb[1] % b.dim()) - b.dim() if batch_b else None}
+        dims.discard(None)
+        shapes = {p[0] for p in (pa, pb) if p is not None}
+        other = b if batch_a and not batch_b else a if batch_b and not batch_a else None
+        if len(dims) == 1 and len(shapes) == 1 and n > 2:
+            dim = dims.pop()
+            if other is None or other.dim() < -dim or other.shape[dim] == 1:
+                return mark_positions(func(*args, **kwargs), shapes.pop(), dim)
     raise refuse(mode, func, "it does not contract the positions of both operands (attention between positions, "
                  "or a matrix as long as the positions, is not decomposable)")
 

@@ -294,6 +294,8 @@ DRAWS = (torch.bernoulli, torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch
 FACTORIES = (torch.rand, torch.randn)
 REFUSED = tuple(f for o in (torch, torch.Tensor, F) for n in _REFUSED if (f := getattr(o, n, None)) is not None)
 _ALL = frozenset(DROPOUTS + DRAWS + FACTORIES)
+DRAWING = _ALL
+"""Every function drawn through bigconv's consistent generator."""
 
 
 # -- under ShardMode -----------------------------------------------------------------------------------

@@ -16,6 +16,9 @@ GLOBAL_SHAPE_ATTR = "_bigconv_global_shape"
 SPATIAL_DIMS_ATTR = "_bigconv_spatial_dims"
 """Negative positions of the spatial dims, in grid-axis order, when they are not the trailing ones."""
 REPLICATED_ATTR = "_bigconv_replicated"
+WHOLE_WINDOWS_ATTR = "_bigconv_whole_windows"
+"""Marks windows of a map with fewer windows than shards, gathered whole on every shard
+(``bigconv.ops.windows``): ``(the map's global spatial shape, its layout, its rank)``."""
 """Marks a whole spatial map held by every worker: one too small to split over the grid."""
 
 
@@ -167,7 +170,40 @@ made by ``reshape``/``view`` are refused instead."""
 
 
 def mark_positions(t: torch.Tensor, shape: Sequence[int], dim: int, gather: bool = False) -> torch.Tensor:
-    setattr(t, POSITIONS_ATTR, (tuple(shape), dim))
+    setattr(t, POSITIONS_ATTR, (shape if isinstance(shape, WindowGrid) else tuple(shape), dim))
     if gather:
         setattr(t, GATHER_ATTR, True)
     return t
+
+
+class WindowGrid(tuple):
+    """The global shape of a window grid whose positions are flattened into one dim together with ``lead``
+    whole items in front (Swin's ``reshape(B * nW, w * w, C)``: the batch before the windows); as the
+    shape of flattened positions (``positions(t)[0]``), it makes that dim ``lead * prod(grid)`` long."""
+
+    lead: int
+
+    def __new__(cls, shape, lead: int = 1):
+        grid = super().__new__(cls, tuple(shape))
+        grid.lead = int(lead)
+        return grid
+
+    def __eq__(self, other):
+        return tuple.__eq__(self, other) and getattr(other, "lead", 1) == self.lead
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((tuple(self), self.lead))
+
+    def __repr__(self):
+        return f"{tuple(self)} windows x {self.lead}"
+
+    def __reduce__(self):
+        return (WindowGrid, (tuple(self), self.lead))
+
+
+def lead(shape) -> int:
+    """The whole leading count of flattened positions' shape (1 for an image's positions)."""
+    return getattr(shape, "lead", 1)

@@ -51,7 +51,10 @@ def crop(mode: RuleContext, func, x: torch.Tensor, slices: Sequence[slice]) -> t
         spatial = [d % x.dim() for d in layout]
         order = [d for d in range(x.dim()) if d not in spatial] + spatial
         out = crop(mode, func, mark(x.permute(order), shape), slices)
-        return mark(out.permute([order.index(d) for d in range(x.dim())]), global_shape(out), layout)
+        back = out.permute([order.index(d) for d in range(x.dim())])
+        if global_shape(out) is None:  # smaller than the grid: the whole crop on every shard, as a plain tensor
+            return back  # (a join with a sharded map takes this shard's part of it)
+        return mark(back, global_shape(out), layout)
     windows, steps, out_shape = [], [], []
     for s, n in zip(slices, shape):
         if s.step is not None and s.step <= 0:

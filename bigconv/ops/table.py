@@ -10,14 +10,18 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, positions, random, reduce, roll, subpixel, window
+from . import layout, norm, positions, random, reduce, roll, subpixel, window, windows
 
-MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll)
+MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows)
 
 
 def _merge(name: str) -> Mapping:
+    return _merge_from(MODULES, name)
+
+
+def _merge_from(modules, name: str) -> Mapping:
     merged: dict = {}
-    for module in MODULES:
+    for module in modules:
         for key, rule in getattr(module, name).items():
             if key in merged:
                 raise RuntimeError(f"{key!r} has a rule in two modules of bigconv.ops ({name}); keep one")
@@ -33,6 +37,6 @@ PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
 """Rules for tensor attributes (``x.shape``), by name."""
 LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 """Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
-POSITION_RULES: Mapping[Callable, Callable] = MappingProxyType(dict(positions.POSITION_RULES))
+POSITION_RULES: Mapping[Callable, Callable] = _merge_from((positions, windows), "POSITION_RULES")
 """Rules for calls given an image's positions flattened into one dim (``bigconv.ops.positions``)."""
 POSITION_PROPERTY_RULES: Mapping[str, Callable] = MappingProxyType(dict(positions.POSITION_PROPERTY_RULES))

@@ -298,8 +298,13 @@ def _pad(mode: RuleContext, func, args, kwargs):
         out_shape = _out_shape(windows, shape)
         if not mode.executor.fits(out_shape):
             return mode.windowed_whole(x, shape, out_shape, whole)
-        out = mode.executor.region_op(x, shape, windows, lambda region, plan: region, mode.where(),
-                                      fill=value)
+        def take(region, plan):
+            if region is None:  # this shard's part is all padding (Swin v2 pads a 4x4 map to a window of 8)
+                box = [b - a for a, b in plan.out_box]
+                return torch.full((*x.shape[: x.dim() - mode.dims], *box), value, dtype=x.dtype, device=x.device)
+            return region
+
+        out = mode.executor.region_op(x, shape, windows, take, mode.where(), fill=value)
         # A shard whose part needs no padding gets its input back: mark a view, never the input
         # itself, which other code still holds with its own global shape (smp's EfficientNet returns
         # its input as the first feature after padding it).

@@ -1,0 +1,54 @@
+"""``bigconv.check`` says how much of a model is split over the workers (issue 37, item 7).
+
+A ViT's blocks run on tokens gathered whole (attention between all positions): "Decomposable: yes"
+alone would hide that every worker computes the whole model. The report gives the share of the
+layers' compute and output activations that is split, and warns when most is replicated; Swin's
+window attention (split by ``bigconv.ops.windows``) counts as split, a CNN almost entirely so.
+A failure points at ``bigconv.check``'s ``_work``/``split_share`` or at the layer hook's split test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bigconv.check import layer_report, report, split_share
+from bigconv.compat import allow_torchvision_without_ops
+
+allow_torchvision_without_ops()
+
+
+def _timm(name, **kw):
+    import timm
+
+    return timm.create_model(name, pretrained=False, num_classes=3, **kw)
+
+
+def _share(model, shape, grid=(2, 2), attention=None):
+    rows, error = layer_report(model, shape, grid, attention=attention)
+    assert error is None, error
+    return rows, split_share(rows)
+
+
+@pytest.mark.timeout(300)
+def test_vit_reported_mostly_replicated_with_a_warning():
+    attention = []
+    rows, share = _share(_timm("vit_small_patch16_224", img_size=128, depth=2), (1, 3, 128, 128), attention=attention)
+    assert [name for name, _, _ in attention] == ["blocks.0.attn", "blocks.1.attn"], attention
+    assert all(s.startswith("replicated") for _, _, s in attention), attention  # tokens gathered at the cls join
+    assert share["compute"] < 0.1 and share["activations"] < 0.1 and share["replicated_layers"] == 9, share
+    text = report({"model": "vit", "input": [1, 3, 128, 128], "workers": 4, "grid": [2, 2], "decomposable": True,
+                   "layers": [r.__dict__ for r in rows], "split": share, "memory": None, "exactness": None})
+    assert "Split over the workers: " in text and "WARNING: most of this model runs replicated" in text, text
+
+
+@pytest.mark.timeout(300)
+def test_swin_windows_and_cnn_reported_split():
+    attention = []
+    _, swin = _share(_timm("swin_tiny_patch4_window7_224", img_size=112, depths=(2, 2, 2), num_heads=(3, 6, 12)),
+                     (1, 3, 112, 112), attention=attention)
+    strategies = {name: s.split(":")[0] for name, _, s in attention}
+    assert strategies["layers.0.blocks.0.attn"] == "split" and strategies["layers.1.blocks.1.attn"] == "split"
+    assert strategies["layers.2.blocks.0.attn"] == "windows held whole (fewer windows than workers)", strategies
+    assert swin["compute"] > 0.85 and swin["activations"] > 0.9 and swin["replicated_layers"] == 5, swin
+    _, cnn = _share(_timm("resnet18"), (1, 3, 64, 64))
+    assert cnn["compute"] > 0.95 and cnn["replicated_layers"] <= 2, cnn
