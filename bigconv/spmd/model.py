@@ -48,7 +48,7 @@ from ..saving import rng_state, set_rng_state
 from ..engine.shard import ShardEngine
 from ..ops.random import random_seed
 from ..ops.support import unwrap_compiled
-from ..transport import WorkerFailure, new_stats
+from ..transport import new_stats
 from ..transport.p2p import shard_runtime
 from ..runtime.spmd_world import SpmdWorld
 
@@ -354,47 +354,9 @@ class SpmdModel(nn.Module):
         the same refusals, the same temporary sibling moved into place once every rank is done; ``keep``,
         ``.ome.zarr`` and ``.ome.tif`` as there: ``bigconv.prediction.predict_spmd``)."""
         from .. import prediction
-        from ..data import outputs
 
-        if keep != "float" or levels is not None or prediction.output_format(out) != "zarr":
-            return prediction.predict_spmd(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep,
-                                           levels=levels, mpp=mpp, classes=classes)
-
-        plan = self.plan(x)
-        chunks, dtype = self.planner.prediction(plan, x, max_chunk)
-        inputs = [s.path for s in x] if is_source_batch(x) else []
-        path = tmp = refused = None
-        if self.world.rank == 0:  # one rank checks and creates, so the file system is asked once
-            try:
-                path = outputs.check_out(out, inputs, overwrite)
-                tmp = outputs.begin(path, plan.out_full_shape, chunks, dtype)
-            except (ValueError, OSError) as exc:
-                refused = f"{type(exc).__name__}: {exc}"
-        # Every rank gets rank 0's answer: a refusal is the same ValueError everywhere, not an error on
-        # rank 0 and a closed connection on the others.
-        shared = [(path, tmp, refused)]
-        dist.broadcast_object_list(shared, src=0)
-        path, tmp, refused = shared[0]
-        if refused:
-            raise ValueError(f"predict refused on rank 0: {refused}")
-        failure = None
-        try:
-            result = shard_step.forward(self.engine, self._shard_call(plan, x), False)
-            box = shard_box(plan.out_shape, plan.grid, coord_of(self.mesh.shard, plan.grid))
-            outputs.write(tmp, box_index(box, result.dim(), self._items(x)), result.cpu().numpy())
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        failures = [None] * self.world.size
-        dist.all_gather_object(failures, failure)  # collective assert: every rank learns who failed, and why
-        bad = [(r, f) for r, f in enumerate(failures) if f]
-        if bad:
-            if self.world.rank == 0:
-                outputs.abandon(tmp)
-            raise WorkerFailure(f"predict failed on rank {bad[0][0]}: {bad[0][1]}; {out!r} is as it was")
-        if self.world.rank == 0:
-            outputs.finish(tmp, path)
-        self.world.barrier()
-        return path
+        return prediction.predict_spmd(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep,
+                                       levels=levels, mpp=mpp, classes=classes)
 
     def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict:
         """The driver mode's ``capture``, on every rank (``bigconv.capture``; replicas=1)."""
