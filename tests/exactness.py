@@ -61,7 +61,7 @@ def single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable) -> dic
 
 def parallel(net, x: torch.Tensor, y, loss_fn: Callable) -> tuple[dict[str, torch.Tensor], bool]:
     """The same on a parallelized model; and whether every replica ends with the same state."""
-    found = dict(leaves(net(x)))
+    found = dict(leaves(net.full(x)))  # the whole output (SPMD: net(x) is a rank's share)
     _, input_grad, grads = net.gradients(x, y, loss_fn)
     found["input_grad"] = input_grad
     found.update({f"grad:{n}": g for n, g in grads.items()})

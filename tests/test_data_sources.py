@@ -173,7 +173,7 @@ def test_predict_writes_the_single_process_output_into_zarr(world, files, tmp_pa
         net.predict(srcs, out=path)
     net.predict(srcs, out=path, overwrite=True)
     head = bigconv.parallelize(nn.Sequential(dense(), nn.AdaptiveAvgPool2d(1)), world)
-    with pytest.raises(ValueError, match="use net\\(x\\) for it"):
+    with pytest.raises(ValueError, match="use net\\.full\\(x\\) for it"):
         head.predict(srcs, out=tmp_path / "head.zarr")
 
 

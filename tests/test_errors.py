@@ -75,7 +75,7 @@ class RowFlatten(nn.Module):
      r"interpolate in module '1' \(Upsample\): mode 'bicubic'"),
     (SpatialLinear, (2, 2), (1, 1, 8, 8), r"linear in module 'mix' \(Linear\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), RowFlatten(), nn.Linear(72, 2)), (2, 2), (1, 1, 8, 8),
-     r"reshape in module '1' \(RowFlatten\)"),
+     r"linear in module '2' \(Linear\): it acts on windows \(or an image's positions\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Unfold(2)), (2, 2), (1, 1, 8, 8), r"in module '1' \(Unfold\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxUnpool2d(2)), (2, 2), (1, 1, 8, 8), r"module '1' \(MaxUnpool2d\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), RandPerm()), (2, 2), (1, 1, 8, 8),

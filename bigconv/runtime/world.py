@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 DRIVER = "driver"
 DEAD_CHECK_S = 0.05
 """How often a driver waiting on its workers looks for a dead worker process."""
+STARTUP_S = 60.0
+"""The least time the workers' hosts get to start (their first collective), whatever the World's timeout."""
 
 # Allocator settings for CPU workers (measured in experiments/bench_core.py):
 # - A worker runs each forward on whichever RPC thread is free and its backward on autograd's
@@ -366,7 +368,11 @@ class World:
     def _connect_hosts(self) -> None:
         self._hosts = [rpc.remote(name, WorkerHost, args=(i, self.workers, self.timeout, self.checks.text()),
                                   timeout=self.rpc_timeout) for i, name in enumerate(self.names)]
-        mailboxes = self.on_hosts(WorkerHost.mailbox, [()] * self.workers, "starting the workers' hosts")
+        # Start-up (each host makes the gradient group, a collective) gets at least STARTUP_S, whatever the
+        # World's timeout: a short timeout bounds a stalled step, not the processes' first collective on a
+        # loaded machine.
+        mailboxes = self.wait_named([self.launch_on_host(w, WorkerHost.mailbox) for w in range(self.workers)],
+                                    "starting the workers' hosts", timeout=max(self.timeout, STARTUP_S))
         self.on_hosts(WorkerHost.connect, [(mailboxes,)] * self.workers, "connecting the workers")
 
     def launch_on_host(self, worker: int, fn: Callable, *args) -> tuple[str, Any]:
@@ -430,14 +436,15 @@ class World:
         """Wait for one future per worker, in worker order; see ``wait_named``."""
         return self.wait_named(list(zip(self.names, futures)), what)
 
-    def wait_named(self, futures: Sequence[tuple[str, Any]], what: str) -> list[Any]:
+    def wait_named(self, futures: Sequence[tuple[str, Any]], what: str, timeout: float | None = None) -> list[Any]:
         """The results of ``(worker name, future)`` pairs within the timeout, in order; raise naming a
         dead, failed or late worker. Any subset of workers may appear, some more than once.
 
         The driver waits a little longer than the workers' own waits, so that a worker stuck on a
         halo reports which peer it is waiting for before the driver gives up on everyone.
         """
-        deadline = time.monotonic() + 1.1 * self.timeout + 1.0
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + 1.1 * timeout + 1.0
         # Woken by each future as it completes (no polling latency on a step's critical path), and at
         # least every DEAD_CHECK_S to notice a worker process that died.
         woken = threading.Event()
@@ -475,7 +482,7 @@ class World:
                 return results
             if time.monotonic() > deadline:
                 late = sorted({n for n, f in futures if not f.done()})
-                self.broken = f"{', '.join(late)} did not finish {what} within {self.timeout:g}s"
+                self.broken = f"{', '.join(late)} did not finish {what} within {timeout:g}s"
                 raise WorkerFailure(self.broken)
             woken.wait(DEAD_CHECK_S)
             woken.clear()
