@@ -70,22 +70,29 @@ def check_options(plan, x, fmt: str, kinds: tuple[str, ...], levels, classes) ->
                          "keep 'probabilities' (a sigmoid) instead")
 
 
-def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float", levels: int | None = None,
-            mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
-    """``ParallelModel.predict`` (see its doc)."""
+def _prepared(net, x, out, keep, levels, mpp, classes, max_chunk) -> tuple:
+    """What both front ends check and plan before any remote work: the kept kinds, the plan, the chunks
+    and dtype, the format, the pixel size, the output's channels and (OME) the pyramid's spec."""
     kinds = pyramid.check_keep(keep)
     plan = net.plan(x)
     chunks, dtype = net.planner.prediction(plan, x, max_chunk)
     fmt = output_format(out)
     check_options(plan, x, fmt, kinds, levels, classes)
     pixel, unit = pixel_size(plan, x, mpp)
+    channels = plan.out_full_shape[1]
+    spec = None if fmt == "zarr" else pyramid.spec_for(kinds, channels, dtype, plan.out_shape, plan.grid, levels,
+                                                        max_chunk, ome=True)
+    return kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec
+
+
+def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float", levels: int | None = None,
+            mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
+    """``ParallelModel.predict`` (see its doc)."""
+    kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
+                                                                             classes, max_chunk)
     path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
     shards = net._shard_calls(plan, x)
     coords = list(all_coords(plan.grid))
-    channels = plan.out_full_shape[1]
-    spec = None
-    if fmt != "zarr":
-        spec = pyramid.spec_for(kinds, channels, dtype, plan.out_shape, plan.grid, levels, max_chunk, ome=True)
     net.world.check_usable()
     if fmt == "zarr":
         kind = kinds[0]
@@ -128,15 +135,8 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
     from .geometry.boxes import box_index, coord_of
     from .transport import WorkerFailure
 
-    kinds = pyramid.check_keep(keep)
-    plan = net.plan(x)
-    chunks, dtype = net.planner.prediction(plan, x, max_chunk)
-    fmt = output_format(out)
-    check_options(plan, x, fmt, kinds, levels, classes)
-    pixel, unit = pixel_size(plan, x, mpp)
-    channels = plan.out_full_shape[1]
-    spec = None if fmt == "zarr" else pyramid.spec_for(kinds, channels, dtype, plan.out_shape, plan.grid, levels,
-                                                        max_chunk, ome=True)
+    kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
+                                                                             classes, max_chunk)
     path = tmp = refused = None
     if net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
         try:
