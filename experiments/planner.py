@@ -136,10 +136,10 @@ def host_device(host: dict, processes: int, conv_rate: float | None = None):
     return dev, link
 
 
-def _host() -> dict:
-    recs = load(HOST)
+def _host(path: str = HOST) -> dict:
+    recs = load(path)
     if not recs:
-        raise SystemExit(f"no host calibration in {HOST}: run python -m experiments.planner host first")
+        raise SystemExit(f"no host calibration in {path}: run python -m experiments.planner host first")
     return recs[-1]
 
 
@@ -334,7 +334,7 @@ def op_table(name: str):
 
 
 def memory(args) -> None:
-    host_rec = _host()
+    host_rec = _host(args.host_file)
     for name in args.models:
         table = op_table(name)
         for size in args.sizes or SIZES[name]:
@@ -379,7 +379,7 @@ def time_(args) -> None:
 
     from bigconv.geometry.boxes import choose_grid
 
-    host_rec = _host()
+    host_rec = _host(args.host_file)
     for name in args.models:
         speed_then = 3 * 2 * 16 * 16 * 9 * 512 * 512 / _conv_work(512, 5)
         table = op_table(name)
@@ -586,6 +586,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (after one untimed)")
     parser.add_argument("--rounds", type=int, default=5, help="host: interleaved rounds of the co-run measurement")
     parser.add_argument("--out", default=None, help="results file (default: results/planner_<what>.jsonl)")
+    parser.add_argument("--host-file", default=HOST, help="memory/time: the host record to read (another machine's: "
+                                                         "the --out of its own host run)")
     args = parser.parse_args(argv)
     {"host": host, "memory": memory, "time": time_, "anchors": anchors, "ornl": ornl,
      "report": report}[args.what](args)

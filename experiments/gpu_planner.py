@@ -1,0 +1,165 @@
+"""The cluster planner's one-GPU step against the GPU: predicted (op table measured here, and the device
+table's fitted efficiencies) against measured step times and allocator peaks.
+
+    python -m experiments.gpu_planner                 # on a machine with a CUDA GPU -> results/gpu_planner.jsonl
+    python -m experiments.gpu_planner --device cpu --quick   # the same code path on a CPU (to check the script)
+
+For each model, ``bigconv.harness.op_table.calibrate`` measures the model's per-op rates at a calibration
+edge (what ``python -m bigconv.check MODEL --calibrate-ops FILE`` writes); at each larger edge
+``bigconv.harness.cost_model.estimate`` prices one training step on one GPU twice, with that table and with
+the device table's entry (``--gpu``, fitted to published throughput), and the same step is measured:
+the plain model (SGD with momentum, cross-entropy, batch 1, float32; best of ``--steps`` timed steps after
+one untimed) and one bigconv SPMD rank on the same GPU (``train_step``, one fresh process). The allocator's
+peak of each is recorded beside the prediction's memory total. One GPU allows one rank, so this checks the
+single-device part of the model (compute and memory), not the links.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import torch
+
+from bigconv.harness import cli
+from bigconv.harness.records import append
+
+MODELS = {
+    "cnn2d": ("bigconv:CNN2D", 1, (1024, 2048, 4096)),
+    "resnet50": ("torchvision:resnet50:num_classes=2", 3, (512, 1024, 2048)),
+}
+CALIBRATION = 256
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _peak_reset(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def _peak(dev: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+
+
+def plain_step(spec: str, channels: int, size: int, steps: int, device: str) -> dict:
+    from bigconv.harness.model_spec import build_model
+
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = build_model(spec).to(dev).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(1, channels, size, size, device=dev)
+    y = torch.zeros(1, dtype=torch.long, device=dev)
+    ce = torch.nn.CrossEntropyLoss()
+    _peak_reset(dev)
+    times = []
+    for step in range(steps + 1):
+        _sync(dev)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        ce(model(x), y).backward()
+        opt.step()
+        _sync(dev)
+        if step:
+            times.append(time.perf_counter() - t0)
+    out = {"step_times_s": times, "step_s": min(times), "peak_bytes": _peak(dev)}
+    del model, opt, x
+    gc.collect()
+    _peak_reset(dev)
+    return out
+
+
+def bigconv_rank(spec: str, channels: int, size: int, steps: int, device: str) -> dict:
+    """One SPMD rank on ``device``: the same step through ``train_step``."""
+    import bigconv
+    from bigconv.harness.model_spec import build_model
+
+    dev = torch.device(device)
+    with bigconv.World.from_env(mode="spmd", device=device, timeout=300) as world:
+        torch.manual_seed(0)
+        net = bigconv.parallelize(build_model(spec), world, grid=(1, 1))
+        net.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
+        x = torch.randn(1, channels, size, size)
+        y = torch.zeros(1, dtype=torch.long)
+        ce = torch.nn.CrossEntropyLoss()
+        _peak_reset(dev)
+        times = []
+        for step in range(steps + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            net.train_step(x, y, ce)
+            _sync(dev)
+            if step:
+                times.append(time.perf_counter() - t0)
+        return {"step_times_s": times, "step_s": min(times), "peak_bytes": _peak(dev)}
+
+
+def predict(spec: str, channels: int, size: int, gpu: str, table) -> dict:
+    from bigconv.harness import devices
+    from bigconv.harness.cost_model import Cluster, Profiler, estimate
+    from bigconv.harness.model_spec import build_model
+
+    dev = devices.device(gpu)
+    cluster = Cluster(device=dev, gpus=1, intra=devices.link(dev.intra), op_table=table, headroom=0.0)
+    e = estimate(Profiler(build_model(spec)), (1, channels, size, size), cluster, (1, 1))
+    # The allocator's peak holds tensors only: the device's fixed reserve (CUDA context, library workspaces)
+    # is compared with NVML figures elsewhere (gpu_check), not here.
+    return {"step_s": e.time["step"], "memory_bytes": e.memory["total"] - e.memory.get("reserve", 0),
+            "time": e.time, "memory": e.memory}
+
+
+def main(argv=None) -> None:
+    p = cli.parser("experiments.gpu_planner", __doc__)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--gpu", default="h100-80gb", help="the device table's entry the plain prediction uses")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="the smallest edge of each model only, 2 steps")
+    p.add_argument("--no-bigconv", action="store_true", help="skip the bigconv rank (plain model only)")
+    p.add_argument("--out", default="results/gpu_planner.jsonl")
+    args = p.parse_args(argv)
+    from bigconv.harness.model_spec import build_model
+    from bigconv.harness.op_table import calibrate
+    from bigconv.harness.workload import environment
+    from bigconv.runtime import spmd_launch as launch
+
+    env = {**environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if args.device.startswith("cuda"):
+        env["gpu_name"] = torch.cuda.get_device_name(0)
+    steps = 2 if args.quick else args.steps
+    for name in args.models:
+        spec, channels, sizes = MODELS[name]
+        t0 = time.perf_counter()
+        table = calibrate(build_model(spec), (1, channels, CALIBRATION, CALIBRATION), args.device, steps=3)
+        calib_s = time.perf_counter() - t0
+        for size in sizes[:1] if args.quick else sizes:
+            rec = {"kind": "gpu_planner", "model": name, "size": size, "device": args.device, "gpu_table": args.gpu,
+                   "calibration": table.calibration, "calibration_s": calib_s}
+            try:
+                rec["predicted_table"] = predict(spec, channels, size, args.gpu, table)
+                rec["predicted_device_table"] = predict(spec, channels, size, args.gpu, None)
+                rec["plain"] = plain_step(spec, channels, size, steps, args.device)
+                if not args.no_bigconv:
+                    rec["bigconv_1rank"] = launch.run(bigconv_rank, 1, (spec, channels, size, steps, args.device),
+                                                      timeout=300, threads=4)[0]
+                m = rec["plain"]["step_s"]
+                rec["error_table"] = rec["predicted_table"]["step_s"] / m - 1
+                rec["error_device_table"] = rec["predicted_device_table"]["step_s"] / m - 1
+                if rec["plain"]["peak_bytes"]:
+                    rec["memory_error"] = rec["predicted_table"]["memory_bytes"] / rec["plain"]["peak_bytes"] - 1
+                rec["ok"] = True
+            except Exception as exc:  # the record says what broke; the next size still runs
+                rec.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            append(args.out, {**rec, "env": env})
+            print(json.dumps({k: v for k, v in rec.items() if k not in ("calibration", "env")}, default=str)[:900],
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
