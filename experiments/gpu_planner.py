@@ -122,6 +122,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="the smallest edge of each model only, 2 steps")
     p.add_argument("--no-bigconv", action="store_true", help="skip the bigconv rank (plain model only)")
+    p.add_argument("--calibration", type=int, default=CALIBRATION, help="the op table's calibration edge")
+    p.add_argument("--sizes", nargs="+", type=int, default=None, help="edges (default: each model's three)")
     p.add_argument("--out", default="results/gpu_planner.jsonl")
     args = p.parse_args(argv)
     from bigconv.harness.model_spec import build_model
@@ -135,8 +137,9 @@ def main(argv=None) -> None:
     steps = 2 if args.quick else args.steps
     for name in args.models:
         spec, channels, sizes = MODELS[name]
+        sizes = args.sizes or sizes
         t0 = time.perf_counter()
-        table = calibrate(build_model(spec), (1, channels, CALIBRATION, CALIBRATION), args.device, steps=3)
+        table = calibrate(build_model(spec), (1, channels, args.calibration, args.calibration), args.device, steps=3)
         calib_s = time.perf_counter() - t0
         for size in sizes[:1] if args.quick else sizes:
             rec = {"kind": "gpu_planner", "model": name, "size": size, "device": args.device, "gpu_table": args.gpu,
