@@ -31,13 +31,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def rank(device: str, dtype_name: str, size: int, steps: int) -> dict:
+def rank(device: str, dtype_name: str, size: int, steps: int, tf32: bool = True) -> dict:
     import torchvision
 
     import bigconv
 
     dev = torch.device(device)
     dtype = getattr(torch, dtype_name)
+    torch.backends.cudnn.allow_tf32 = tf32  # PyTorch's default for convolutions is True
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3)
     plain = copy.deepcopy(model).to(dev)
@@ -45,7 +46,7 @@ def rank(device: str, dtype_name: str, size: int, steps: int) -> dict:
     y = torch.tensor([0, 2])
     ce = torch.nn.CrossEntropyLoss()
     scaled = dtype == torch.float16
-    out: dict = {"dtype": dtype_name, "device": device, "size": size, "steps": steps}
+    out: dict = {"dtype": dtype_name, "device": device, "size": size, "steps": steps, "cudnn_tf32": tf32}
     with bigconv.World.from_env(mode="spmd", device=device, timeout=300) as world:
         net = bigconv.parallelize(model, world, grid=(1, 1))
         sides = {"plain": (plain, lambda inp: plain(inp.to(dev))), "bigconv": (net, net)}
@@ -105,6 +106,7 @@ def main(argv=None) -> None:
                    help="float32: no autocast (the floor the other rows are read against)")
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--no-tf32", action="store_true", help="convolutions without TF32 (PyTorch's default allows it)")
     p.add_argument("--out", default="results/gpu_loop.jsonl")
     args = p.parse_args(argv)
     from bigconv.harness.workload import environment
@@ -115,7 +117,7 @@ def main(argv=None) -> None:
         env["gpu_name"] = torch.cuda.get_device_name(0)
     for name in args.dtypes:
         try:
-            r = launch.run(rank, 1, (args.device, name, args.size, args.steps), timeout=300, threads=4)[0]
+            r = launch.run(rank, 1, (args.device, name, args.size, args.steps, not args.no_tf32), timeout=300, threads=4)[0]
         except Exception as exc:
             r = {"dtype": name, "device": args.device, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         append(args.out, {"kind": "gpu_loop", **r, "env": env})

@@ -250,6 +250,12 @@ def _fit(small: dict, large: dict) -> dict:
             if fixed >= 0:
                 entry[phase], entry[f"{phase}_call_s"] = rate, fixed
                 continue
+        if w1 == w0:
+            # The same work at both sizes (the loss on a fixed-size head, a classifier's matmul): nothing says
+            # how its time grows, and its rate on a few bytes would price a large map of the same op (a
+            # decomposed BatchNorm's pow) hundreds of times too slow. Such a group gets no rate: ops of its key
+            # are priced as the table's other ops (or by the roofline, for matmuls).
+            continue
         plain = [w / t for w, t in ((w0, t0), (w1, t1)) if w > 0 and t > 0]
         if plain:
             entry[phase] = max(plain)
