@@ -171,6 +171,21 @@ def test_buckets_are_the_engines(monkeypatch):
     assert e.buckets == [p.numel() * F for p in reversed(list(model.parameters()))]
 
 
+def test_op_table_fit_gives_no_rate_to_work_that_did_not_grow():
+    """A group with the same work at both calibration sizes (a loss on a fixed-size head; a classifier's
+    matmul) says nothing of how its time grows: it gets no rate, and its ops are priced as the table's other
+    ops. On an H200 the loss's ``pow`` on two numbers got a rate of 4.6e5 bytes/s, and a decomposed
+    BatchNorm's ``pow`` over a 512² map was priced at 4 ms per layer (results/gpu_planner.jsonl)."""
+    from bigconv.harness.op_table import _fit
+
+    small = {("('pow', 'float32')", "forward"): (8.0, 2e-5, 1), ("('relu', 'float32')", "forward"): (1e6, 2e-4, 2)}
+    large = {("('pow', 'float32')", "forward"): (8.0, 2e-5, 1), ("('relu', 'float32')", "forward"): (3e6, 4e-4, 2)}
+    rates = _fit(small, large)
+    assert "('pow', 'float32')" not in rates
+    assert rates["('relu', 'float32')"]["forward"] == pytest.approx(2e6 / 2e-4)
+    assert rates["('relu', 'float32')"]["forward_call_s"] == pytest.approx((2e-4 - 1e6 / 1e10) / 2)
+
+
 def test_autocast_halves_activations_not_parameters():
     model = CNN2D(width=4, depth=2)
     full = estimate(Profiler(model), (1, 1, 64, 64), Cluster(device=flat_device(), gpus=1, intra=LINK), (1, 1))
