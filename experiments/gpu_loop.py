@@ -99,6 +99,26 @@ def rank(device: str, dtype_name: str, size: int, steps: int, tf32: bool = True)
     return report
 
 
+def report(path: str) -> None:
+    from bigconv.harness.records import load
+
+    print("| autocast | TF32 convs | output dtype (plain / bigconv) | output | loss | worst gradient | worst weight "
+          "after the steps | scale (plain / bigconv) | step, plain / bigconv (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in load(path):
+        if "error" in r:
+            print(f"| {r['dtype']} | | {r['error'][:80]} |")
+            continue
+        ms = lambda ts: f"{1e3 * min(ts[1:]):.1f}"  # noqa: E731 (the first step warms up)
+        g, w = r["grad_rel_worst"], r["weight_rel_worst"]
+        auto = "none (float32)" if r["dtype"] == "float32" else r["dtype"]
+        print(f"| {auto} | {'yes' if r.get('cudnn_tf32', True) else 'no'} | "
+              f"{r['plain_output_dtype'].split('.')[-1]} / {r['bigconv_output_dtype'].split('.')[-1]} | "
+              f"{r['output_rel']:.1e} | {r['loss_rel']:.1e} | {g[0]:.1e} (`{g[1]}`) | {w[0]:.1e} (`{w[1]}`) | "
+              f"{r['plain_scale']} / {r['bigconv_scale']} | {ms(r['plain_step_times_s'])} / "
+              f"{ms(r['bigconv_step_times_s'])} |")
+
+
 def main(argv=None) -> None:
     p = cli.parser("experiments.gpu_loop", __doc__)
     p.add_argument("--device", default="cuda")
@@ -108,7 +128,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--no-tf32", action="store_true", help="convolutions without TF32 (PyTorch's default allows it)")
     p.add_argument("--out", default="results/gpu_loop.jsonl")
+    p.add_argument("--report", action="store_true", help="print the table of --out's records, measuring nothing")
     args = p.parse_args(argv)
+    if args.report:
+        return report(args.out)
     from bigconv.harness.workload import environment
     from bigconv.runtime import spmd_launch as launch
 

@@ -114,6 +114,28 @@ def predict(spec: str, channels: int, size: int, gpu: str, table) -> dict:
             "time": e.time, "memory": e.memory}
 
 
+def report(path: str) -> None:
+    """One row per record: the predictions (op table, device table) against the plain and bigconv steps, and
+    the predicted tensors against the allocator's peak."""
+    from bigconv.harness.records import load
+
+    print("| model | edge | table at | measured plain (ms) | bigconv 1 rank (ms) | op table (ms) | vs plain | "
+          "device table (ms) | vs plain | memory predicted / plain peak (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in load(path):
+        if not r.get("ok"):
+            print(f"| {r['model']} | {r['size']} | | {r.get('error', '')[:80]} |")
+            continue
+        ms = 1e3
+        plain, bc = r["plain"]["step_s"], r.get("bigconv_1rank", {}).get("step_s")
+        pt, pd = r["predicted_table"]["step_s"], r["predicted_device_table"]["step_s"]
+        cal = r["calibration"]["input"][-1]
+        peak = r["plain"]["peak_bytes"]
+        mem = (f"{r['predicted_table']['memory_bytes'] / 2**20:.0f} / {peak / 2**20:.0f}" if peak else "")
+        print(f"| {r['model']} | {r['size']}² | {cal}² | {plain * ms:.1f} | {bc * ms:.1f} | {pt * ms:.1f} | "
+              f"{pt / plain - 1:+.0%} | {pd * ms:.1f} | {pd / plain - 1:+.0%} | {mem} |")
+
+
 def main(argv=None) -> None:
     p = cli.parser("experiments.gpu_planner", __doc__)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -125,7 +147,10 @@ def main(argv=None) -> None:
     p.add_argument("--calibration", type=int, default=CALIBRATION, help="the op table's calibration edge")
     p.add_argument("--sizes", nargs="+", type=int, default=None, help="edges (default: each model's three)")
     p.add_argument("--out", default="results/gpu_planner.jsonl")
+    p.add_argument("--report", action="store_true", help="print the table of --out's records, measuring nothing")
     args = p.parse_args(argv)
+    if args.report:
+        return report(args.out)
     from bigconv.harness.model_spec import build_model
     from bigconv.harness.op_table import calibrate
     from bigconv.harness.workload import environment

@@ -151,3 +151,22 @@ def test_gpu_check_search_stops_at_an_error_that_is_not_memory(monkeypatch, tmp_
     edge, rec, error = gpu_check.largest("cnn2d", 1, 0.2, 1024, 8, out, {}, max_probes=9)
     assert (edge, rec, probes) == (2048, {"step_s": 1.0}, [1024, 2048, 4096]) and "TimeoutError" in error
     assert gpu_check.is_out_of_memory("CUDA out of memory.") and not gpu_check.is_out_of_memory(error)
+
+
+def test_device_session_scripts_report_their_committed_records(capsys):
+    """The tables of benchmarks/gpu_h200_planner.md come from the committed records by these commands; the
+    device call's script parses (bash -n), so a broken edit shows here, not on the next lent GPU."""
+    import subprocess
+    from pathlib import Path
+
+    from experiments import gpu_loop, gpu_planner
+
+    root = Path(__file__).resolve().parents[1]
+    gpu_planner.main(["--report", "--out", str(root / "results/gpu_planner.jsonl")])
+    gpu_loop.main(["--report", "--out", str(root / "results/gpu_loop.jsonl")])
+    out = capsys.readouterr().out
+    page = (root / "benchmarks/gpu_h200_planner.md").read_text()
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 2 + 10 + 4
+    assert all(row in page for row in rows), [row for row in rows if row not in page]
+    assert subprocess.run(["bash", "-n", str(root / "experiments/gpu_session.sh")]).returncode == 0
