@@ -167,6 +167,6 @@ def test_device_session_scripts_report_their_committed_records(capsys):
     out = capsys.readouterr().out
     page = (root / "benchmarks/gpu_h200_planner.md").read_text()
     rows = [line for line in out.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(rows) == 2 + 10 + 4
+    assert len(rows) == 2 + 14 + 4
     assert all(row in page for row in rows), [row for row in rows if row not in page]
     assert subprocess.run(["bash", "-n", str(root / "experiments/gpu_session.sh")]).returncode == 0
