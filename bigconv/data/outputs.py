@@ -105,9 +105,13 @@ def check_out(out, inputs: Sequence[str], overwrite: bool) -> str:
 
 
 def stale_partials(out: str) -> list[str]:
-    """Temporary siblings of ``out`` that an interrupted prediction left."""
+    """Temporary siblings of ``out`` that an interrupted prediction left: its own, and for an OME-TIFF the
+    staging OME-Zarr its levels are written to first (a temporary sibling of ``out + ".zarr"``)."""
     folder, name = os.path.split(out)
-    return sorted(glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(name)}{PARTIAL}*")))
+    found = []
+    for staged in (name, name + ".zarr") if name.lower().endswith((".tif", ".tiff")) else (name,):
+        found += glob.glob(os.path.join(glob.escape(folder), f".{glob.escape(staged)}{PARTIAL}*"))
+    return sorted(found)
 
 
 def begin(out: str, shape: Sequence[int], spatial_chunks: Sequence[int], dtype: str) -> str:
