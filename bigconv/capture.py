@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .engine.capture import Captured, Recorder, call_names, join, score_gradient
+from .engine.capture import Captured, Recorder, call_names, cam_map, channel_sums, join, score_gradient
 
 __all__ = ["Captured", "capture", "capture_local", "gradcam", "gradcam_local"]
 
@@ -190,12 +190,10 @@ def gradcam(net, x, layer: str | None = None, target=None, *, method: str = "gra
     from .geometry.boxes import all_coords, box_index, shard_box
     from .prediction import output_format, pixel_size
 
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "gradcam":
-        if not isinstance(layer, str):
-            raise ValueError("Grad-CAM needs layer= the name of one module (e.g. 'layer4' of a ResNet)")
-        check_layers(net.planner.meta, layer)
+    if getattr(net, "mesh", None) is not None:  # an SPMD model: every rank calls this
+        return gradcam_spmd(net, x, layer, target, method=method, out=out, overwrite=overwrite, levels=levels,
+                            mpp=mpp, max_chunk=max_chunk)
+    _check_method(net, method, layer)
     if net.transport != "p2p":
         raise ValueError(f"{method} runs on the p2p transport; parallelize(..., transport='p2p')")
     plan = net.plan(x)
@@ -253,6 +251,138 @@ def gradcam(net, x, layer: str | None = None, target=None, *, method: str = "gra
     if out is None:
         return join_shards(maps, plan.grid)
     return outputs.finish(tmp, path)
+
+
+def _check_method(net, method: str, layer) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "gradcam":
+        if not isinstance(layer, str):
+            raise ValueError("Grad-CAM needs layer= the name of one module (e.g. 'layer4' of a ResNet)")
+        check_layers(net.planner.meta, layer)
+
+
+def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str = "gradcam", out=None,
+                 overwrite: bool = False, levels: int | None = None, mpp: float | None = None,
+                 max_chunk: int = 1024):
+    """``bigconv.gradcam`` on an SPMD world (``replicas=1``): every rank calls it with the same arguments.
+    Each rank scores its shard, the per-channel gradient sums are summed over the ranks (one all-reduce of
+    N × K numbers), each rank upsamples its part of the map under the op rules (the halos from its
+    neighbours), and the map is gathered on every rank; with ``out=``, rank 0 checks ``out`` and makes the
+    store, every rank writes its region (and its part of each pyramid level), rank 0 moves it into place."""
+    import torch.distributed as dist
+
+    from .data import outputs, pyramid
+    from .data.sources import is_source_batch
+    from .engine import step as shard_step
+    from .engine.step import OutputGradients, StepCommand
+    from .geometry.boxes import box_index, coord_of, shard_box
+    from .prediction import output_format, pixel_size
+
+    _check_method(net, method, layer)
+    if net.replicas != 1:
+        raise ValueError(f"{method} on an SPMD world needs replicas=1 (one copy of the grid over the whole batch)")
+    plan = net.plan(x)
+    if plan.several:
+        raise ValueError(f"{method} scores a model with one output tensor")
+    targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1])
+    batch, spatial = plan.out_full_shape[0], tuple(plan.in_shape)
+    dtype = str(x.dtype if isinstance(x, torch.Tensor) else torch.float32).replace("torch.", "")
+    coord = coord_of(net.mesh.shard, plan.grid)
+    fmt = output_format(out) if out is not None else None
+    if fmt is not None and not (fmt == "zarr" or (fmt == "ome.zarr" and batch == 1)):
+        raise ValueError(f"{method} writes a .zarr, or an .ome.zarr of one image; got out={out!r} for a batch of "
+                         f"{batch}")
+    spec = None
+    if fmt == "ome.zarr":
+        pixel, unit = pixel_size(SimpleNamespace(in_shape=spatial, out_shape=spatial), x, mpp)  # the input's grid
+        spec = pyramid.spec_for(("float",), 1, dtype, spatial, plan.grid, levels, max_chunk, ome=True)
+    path = tmp = refused = None
+    if fmt is not None and net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
+        try:
+            path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+            if fmt == "zarr":
+                tmp = outputs.begin(path, (batch, 1, *spatial), outputs.aligned_chunks(spatial, plan.grid, max_chunk),
+                                    dtype)
+            else:
+                tmp = outputs.begin_group(path)
+                pyramid.create(tmp, spec, pixel, unit, None, f"{method} of class {targets[0]}")
+        except (ValueError, OSError) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+    if fmt is not None:
+        shared = [(path, tmp, refused)]
+        dist.broadcast_object_list(shared, src=0)
+        path, tmp, refused = shared[0]
+        if refused:
+            raise ValueError(f"{method} refused on rank 0: {refused}")
+
+    engine = net.engine
+    names = [layer] if method == "gradcam" else []
+    failure = None
+    up = None
+    try:
+        recorder = Recorder(engine.model, names, True)
+        try:
+            shard = net._shard_call(plan, x)
+            score = shard_step.forward(engine, shard, "input")
+            gradient = score_gradient(score, targets, net.mesh.shard == 0)
+            shard_step.run(engine, StepCommand(shard, OutputGradients(gradient), grad="input", gradients=True), score)
+        finally:
+            recorder.close()
+            engine.model.zero_grad(set_to_none=True)
+        if method == "gradcam":
+            piece = recorder.calls[layer][0]
+            sums, shape = channel_sums(piece)
+        else:
+            g = engine.last_input.grad if engine.last_input is not None else None
+            up = (g if g is not None else torch.zeros_like(engine.last_input)).detach().abs().amax(1, keepdim=True).cpu()
+    except Exception as exc:  # every rank learns of a failure before the next collective
+        failure = f"{type(exc).__name__}: {exc}"
+    _agree(net, failure, method, tmp)
+    if method == "gradcam":
+        dist.all_reduce(sums)  # replicas=1: the world is the grid
+        net._call += 1
+        up = cam_map(engine, tuple(plan.grid), net._call, piece, sums / float(torch.tensor(shape).prod()), spatial)
+    if fmt is None:
+        return shard_step.gather_dense(engine, tuple(plan.grid), up)
+    writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
+    failure = None
+    try:
+        if writer is None:
+            outputs.write(tmp, box_index(shard_box(spatial, plan.grid, coord), len(spatial) + 2), up.numpy())
+        else:
+            writer.first(up)
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    _agree(net, failure, f"{method} (level 0)", tmp)
+    for k in range(1, spec.levels if spec is not None else 1):
+        failure = None
+        try:
+            writer.next(k)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        _agree(net, failure, f"{method} (level {k})", tmp)
+    if net.world.rank == 0:
+        outputs.finish(tmp, path)
+    net.world.barrier()  # every rank returns once the output is in place
+    return path
+
+
+def _agree(net, failure: str | None, what: str, tmp: str | None) -> None:
+    """Every rank learns whether any failed (one collective), and raises naming the first that did; rank 0
+    removes the partial output."""
+    import torch.distributed as dist
+
+    from .data import outputs
+    from .transport import WorkerFailure
+
+    failures = [None] * net.world.size
+    dist.all_gather_object(failures, failure)
+    bad = [(r, f) for r, f in enumerate(failures) if f]
+    if bad:
+        if net.world.rank == 0 and tmp is not None:
+            outputs.abandon(tmp)
+        raise WorkerFailure(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
 
 
 def gradcam_local(model: nn.Module, x: torch.Tensor, layer: str | None = None, target=None, *,

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import bigconv
-from bigconv.capture import capture_local
+from bigconv.capture import capture_local, gradcam_local
 
 
 def _errors(got: dict, want: dict) -> dict:
@@ -21,7 +21,40 @@ def _errors(got: dict, want: dict) -> dict:
     return out
 
 
-def run() -> dict:
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max()) if a.shape == b.shape else float("inf")
+
+
+def gradcams(world, out_dir: str) -> dict:
+    """Grad-CAM and saliency through ``bigconv.gradcam`` on the ranks (maps gathered, and written)."""
+    import os
+
+    import numpy as np
+    import torchvision
+    import zarr
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=5).double().eval()
+    x = torch.randn(2, 3, 128, 96, dtype=torch.float64)
+    net = bigconv.parallelize(model, world, grid=(2, 2)).eval()
+    errors = {}
+    for layer in ("layer2", "layer3"):  # maps of 16 x 12 and 8 x 6: upsampling across shard edges
+        errors[f"gradcam/{layer}"] = _rel(bigconv.gradcam(net, x, layer=layer, target=[2, 0]),
+                                          gradcam_local(model, x, layer=layer, target=[2, 0]))
+    errors["saliency"] = _rel(bigconv.gradcam(net, x, target=[2, 0], method="saliency"),
+                              gradcam_local(model, x, target=[2, 0], method="saliency"))
+    want = gradcam_local(model, x[:1], layer="layer3", target=2)
+    path = bigconv.gradcam(net, x[:1], layer="layer3", target=2, out=os.path.join(out_dir, "cam.ome.zarr"), levels=3)
+    errors["written/ome.zarr"] = _rel(torch.from_numpy(np.asarray(zarr.open_array(os.path.join(path, "0"))[:])),
+                                      want[0])
+    flat = bigconv.gradcam(net, x, layer="layer3", target=[2, 0], out=os.path.join(out_dir, "cam.zarr"))
+    errors["written/zarr"] = _rel(torch.from_numpy(zarr.open_array(flat, mode="r")[:]),
+                                  gradcam_local(model, x, layer="layer3", target=[2, 0]))
+    errors["written/listing"] = 0.0 if sorted(os.listdir(out_dir)) == ["cam.ome.zarr", "cam.zarr"] else float("inf")
+    return errors
+
+
+def run(out_dir: str | None = None) -> dict:
     import segmentation_models_pytorch as smp
     import torchvision
 
@@ -49,4 +82,6 @@ def run() -> dict:
         errors.update({f"seg-loss/{k}": v for k, v in _errors(
             seg_net.capture(layers, xs, ys, loss_fn=nn.CrossEntropyLoss()),
             capture_local(seg, layers, xs, ys, loss_fn=nn.CrossEntropyLoss())).items()})
+        if out_dir is not None:
+            errors.update(gradcams(world, out_dir))
         return errors
