@@ -132,12 +132,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.report:
         return report(args.out)
-    from bigconv.harness.workload import environment
     from bigconv.runtime import spmd_launch as launch
 
-    env = {**environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if args.device.startswith("cuda"):
-        env["gpu_name"] = torch.cuda.get_device_name(0)
+    from .gpu_planner import device_env
+
+    env = device_env(args.device)
     for name in args.dtypes:
         try:
             r = launch.run(rank, 1, (args.device, name, args.size, args.steps, not args.no_tf32), timeout=300, threads=4)[0]

@@ -47,6 +47,30 @@ def _peak(dev: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
 
 
+def _timed(step, steps: int, dev: torch.device) -> dict:
+    """``steps`` timed calls of ``step`` after an untimed one, and the allocator's peak over all of them."""
+    _peak_reset(dev)
+    times = []
+    for k in range(steps + 1):
+        _sync(dev)
+        t0 = time.perf_counter()
+        step()
+        _sync(dev)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return {"step_times_s": times, "step_s": min(times), "peak_bytes": _peak(dev)}
+
+
+def device_env(device: str) -> dict:
+    """The records' environment: versions, hardware, commit, the time, and the GPU's name."""
+    from bigconv.harness.workload import environment
+
+    env = {**environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if device.startswith("cuda"):
+        env["gpu_name"] = torch.cuda.get_device_name(0)
+    return env
+
+
 def plain_step(spec: str, channels: int, size: int, steps: int, device: str) -> dict:
     from bigconv.harness.model_spec import build_model
 
@@ -57,18 +81,12 @@ def plain_step(spec: str, channels: int, size: int, steps: int, device: str) -> 
     x = torch.randn(1, channels, size, size, device=dev)
     y = torch.zeros(1, dtype=torch.long, device=dev)
     ce = torch.nn.CrossEntropyLoss()
-    _peak_reset(dev)
-    times = []
-    for step in range(steps + 1):
-        _sync(dev)
-        t0 = time.perf_counter()
+    def one() -> None:
         opt.zero_grad(set_to_none=True)
         ce(model(x), y).backward()
         opt.step()
-        _sync(dev)
-        if step:
-            times.append(time.perf_counter() - t0)
-    out = {"step_times_s": times, "step_s": min(times), "peak_bytes": _peak(dev)}
+
+    out = _timed(one, steps, dev)
     del model, opt, x
     gc.collect()
     _peak_reset(dev)
@@ -88,16 +106,7 @@ def bigconv_rank(spec: str, channels: int, size: int, steps: int, device: str) -
         x = torch.randn(1, channels, size, size)
         y = torch.zeros(1, dtype=torch.long)
         ce = torch.nn.CrossEntropyLoss()
-        _peak_reset(dev)
-        times = []
-        for step in range(steps + 1):
-            _sync(dev)
-            t0 = time.perf_counter()
-            net.train_step(x, y, ce)
-            _sync(dev)
-            if step:
-                times.append(time.perf_counter() - t0)
-        return {"step_times_s": times, "step_s": min(times), "peak_bytes": _peak(dev)}
+        return _timed(lambda: net.train_step(x, y, ce), steps, dev)
 
 
 def predict(spec: str, channels: int, size: int, gpu: str, table) -> dict:
@@ -153,12 +162,9 @@ def main(argv=None) -> None:
         return report(args.out)
     from bigconv.harness.model_spec import build_model
     from bigconv.harness.op_table import calibrate
-    from bigconv.harness.workload import environment
     from bigconv.runtime import spmd_launch as launch
 
-    env = {**environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    if args.device.startswith("cuda"):
-        env["gpu_name"] = torch.cuda.get_device_name(0)
+    env = device_env(args.device)
     steps = 2 if args.quick else args.steps
     for name in args.models:
         spec, channels, sizes = MODELS[name]
