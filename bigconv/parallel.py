@@ -73,6 +73,7 @@ class ParallelModel:
         self.optimizer_class: str | None = None
         self.optimizer_groups: list[int] | None = None
         self.has_scheduler = False
+        self.has_ema = False
         self.steps = 0
         """Optimizer steps taken (restored by ``load``)."""
         self.epoch: int | None = None
@@ -90,18 +91,23 @@ class ParallelModel:
 
     # -- training API -----------------------------------------------------------------------------
     def optimizer(self, cls, /, *, scheduler: Callable | None = None, clip_grad_norm: float | None = None,
-                  **kwargs) -> None:
+                  ema: float | None = None, **kwargs) -> None:
         """Create a replicated optimizer on every worker: ``cls(params, **kwargs)``, or, given a factory,
         ``factory(named_parameters)`` (a list of ``(name, parameter)``: param groups by name). ``scheduler``:
         a factory ``optimizer -> scheduler``, stepped after every optimizer step. ``clip_grad_norm``: clip the
-        summed gradients to this global norm before each step. Classes and functions of your script travel
-        by value (cloudpickle). Everything is tried on a meta copy of the model first."""
+        summed gradients to this global norm before each step. ``ema``: a decay in (0, 1); the workers keep an
+        exponential moving average of the weights from now on, updated after every step as timm's
+        ``ModelEmaV3(model, decay=ema)`` is (``state_dict(ema=True)`` reads it; ``save`` and ``load`` carry it).
+        Classes and functions of your script travel by value (cloudpickle). Everything is tried on a meta copy
+        of the model first."""
         spec = input_checks.optimizer_spec(self.planner.meta, cls, kwargs, scheduler, clip_grad_norm)
+        spec["ema"] = check_ema(ema)
         payload = input_checks.by_value(spec, "the optimizer (its class or factory, and the scheduler factory)")
         made = self._all("make_optimizer", (payload,), "creating the optimizer")
         self.has_optimizer = True
         self.optimizer_class, self.optimizer_groups = made[0]["class"], made[0]["groups"]
         self.has_scheduler = scheduler is not None
+        self.has_ema = ema is not None
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, *, step: bool = True) -> float:
         """One forward, backward and optimizer step on the whole batch; returns the loss. ``step=False``:
@@ -289,9 +295,15 @@ class ParallelModel:
         return plan.rebuild(joined)
 
     # -- state -------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Worker 0's weights, under the single-process names (every replica holds the same)."""
-        return self.replica_state_dicts(workers=1)[0]
+    def state_dict(self, ema: bool = False) -> dict:
+        """Worker 0's weights, under the single-process names (every replica holds the same); with ``ema``,
+        the moving average of them that the workers keep (``optimizer(..., ema=)``)."""
+        if not ema:
+            return self.replica_state_dicts(workers=1)[0]
+        if not self.has_ema:
+            raise ValueError("this model keeps no EMA of its weights; create the optimizer with "
+                             "net.optimizer(..., ema=0.999) before reading net.state_dict(ema=True)")
+        return self.world.call_part(self.id, "state_dict", [(True,)], "reading the EMA weights", workers=range(1))[0]
 
     def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
         """The weights of the first ``workers`` replicas (all by default), to check they agree."""
@@ -312,7 +324,7 @@ class ParallelModel:
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
                                grid=list(self.grid) if self.grid else None, extra=extra or {},
-                               scheduler=parts[0]["scheduler"], epoch=self.epoch)
+                               scheduler=parts[0]["scheduler"], epoch=self.epoch, ema=parts[0]["ema"])
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":
@@ -324,10 +336,11 @@ class ParallelModel:
         ck = saving.read(path)
         self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
         saving.check_scheduler_state(ck.get("scheduler"), self.has_scheduler, path)
+        check_ema_state(ck.get("ema"), self.has_ema, path)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
         self.world.call_part(self.id, "load_checkpoint",
-                             [(ck["model"], ck.get("optimizer"), r, ck.get("scheduler")) for r in rngs],
+                             [(ck["model"], ck.get("optimizer"), r, ck.get("scheduler"), ck.get("ema")) for r in rngs],
                              "loading a checkpoint")
         self.steps = int(ck.get("step", 0))
         self.epoch = ck.get("epoch")
@@ -354,6 +367,21 @@ def refuse_autocast(what: str) -> None:
             "processes, which the driver's autocast does not reach (the output would silently keep the model's "
             "dtype); put the autocast inside the model's forward (it then runs on the workers), or train with "
             "your own loop on an SPMD world, where autocast applies (docs/loop.md)")
+
+
+def check_ema(ema) -> float | None:
+    if ema is None:
+        return None
+    if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1:
+        raise ValueError(f"ema must be a decay between 0 and 1 (the EMA keeps decay * itself + (1 - decay) * the "
+                         f"weights after every step; e.g. ema=0.999), got {ema!r}")
+    return float(ema)
+
+
+def check_ema_state(saved: dict | None, has_ema: bool, path: str) -> None:
+    if saved is not None and not has_ema:
+        raise ValueError(f"the checkpoint {path!r} holds an EMA of the weights but this model's optimizer keeps none; "
+                         "create it with net.optimizer(..., ema=<decay>) as in the saved run before net.load()")
 
 
 def check_transport(transport) -> None:

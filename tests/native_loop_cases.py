@@ -69,20 +69,33 @@ def batches(kind: str, dtype, seed: int = 3):
     return out
 
 
-def build(kind: str, dtype):
-    torch.manual_seed(0)
+def build(kind: str, dtype, seed: int = 0):
+    torch.manual_seed(seed)
     return (Seg() if kind == "seg" else Cls()).to(dtype)
 
 
-def loop(model, data, loss_of, clip: float, ema_model=None, before_step=None) -> dict:
-    """The user's loop; ``loss_of(model, x, y)`` is the micro-batch's loss. Returns what it saw."""
+def loop(model, data, loss_of, clip: float, ema_model=None, before_step=None, stop: int = STEPS, save=None,
+         resume=None, seen=None) -> dict:
+    """The user's loop; ``loss_of(model, x, y)`` is the micro-batch's loss. Returns what it saw.
+
+    Preemption, as a user's loop handles it: with ``save``, ``save(checkpoint)`` after ``stop`` steps
+    (weights, optimizer, scheduler, EMA and the step: plain ``state_dict``s); ``resume()`` returns such a
+    checkpoint, loaded before the loop goes on from its step. ``seen``: what the run before the stop saw."""
     from timm.utils import ModelEmaV3
 
     opt = torch.optim.AdamW(param_groups(model.named_parameters()), lr=0.02, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
     ema = ModelEmaV3(ema_model if ema_model is not None else model, decay=0.7)
-    seen = {"losses": [], "norms": [], "lrs": []}
-    for step in range(STEPS):
+    seen = seen if seen is not None else {"losses": [], "norms": [], "lrs": []}
+    start = 0
+    if resume is not None:
+        ck = resume()
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        ema.load_state_dict(ck["ema"])
+        start = ck["step"]
+    for step in range(start, stop):
         for k in range(MICRO):
             x, y = data[step * MICRO + k]
             sync = getattr(model, "no_sync", None)
@@ -99,6 +112,9 @@ def loop(model, data, loss_of, clip: float, ema_model=None, before_step=None) ->
         sched.step()
         ema.update(ema_model if ema_model is not None else model, step=step)
         seen["lrs"].append([g["lr"] for g in opt.param_groups])
+    if save is not None:
+        save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+              "ema": ema.state_dict(), "step": stop})
     seen["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     seen["ema"] = {k: v.detach().clone() for k, v in ema.module.state_dict().items()}
     return seen
@@ -128,6 +144,46 @@ def distributed(world, kind: str, dtype, grid, replicas, how: str) -> dict:
         return m.shard_loss(ce, out, y) if how == "shard_loss" else m.whole_loss(ce, out, y)
 
     return loop(net, batches(kind, dtype), loss_of, clip=0.05, ema_model=net.module)
+
+
+RESUME_AT = 2  # of STEPS: past the warmup, so a lost schedule changes the learning rate
+
+
+def resumed(world, kind: str, dtype, grid, replicas, how: str) -> dict:
+    """The loop stopped after ``RESUME_AT`` steps, its checkpoint written by rank 0 (``torch.save`` of the
+    plain ``state_dict``s, as a DDP user writes it) and read by every rank into a new module made from other
+    weights, which goes on to ``STEPS``: what the uninterrupted run saw."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    folder = [tempfile.mkdtemp(prefix="bigconv-resume-") if world.rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    path = os.path.join(folder[0], "ck.pt")
+    ce = nn.CrossEntropyLoss()
+
+    def loss_of(m, x, y):
+        out = m(x)
+        return m.shard_loss(ce, out, y) if how == "shard_loss" else m.whole_loss(ce, out, y)
+
+    def save(ck):
+        if world.rank == 0:
+            torch.save(ck, path)
+        world.barrier()
+
+    data = batches(kind, dtype)
+    first = bigconv.parallelize(build(kind, dtype), world, grid=grid, replicas=replicas)
+    seen = loop(first, data, loss_of, clip=0.05, ema_model=first.module, stop=RESUME_AT, save=save)
+    seen = {k: seen[k] for k in ("losses", "norms", "lrs")}
+    then = bigconv.parallelize(build(kind, dtype, seed=1), world, grid=grid, replicas=replicas)
+    got = loop(then, data, loss_of, clip=0.05, ema_model=then.module, seen=seen,
+               resume=lambda: torch.load(path, weights_only=True))
+    world.barrier()
+    if world.rank == 0:
+        os.unlink(path)
+        os.rmdir(folder[0])
+    return got
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -189,6 +245,8 @@ def apply_plant(plant: str | None):
             return local["norm"]
         patch(native.GradSync, "finish", finish)
         patch(torch.nn.utils, "clip_grad_norm_", clip)
+    elif plant == "drop_scheduler":  # a resumed run's schedule starts over: its state is not loaded
+        patch(torch.optim.lr_scheduler.LambdaLR, "load_state_dict", lambda self, state: None)
     elif plant is not None:
         raise ValueError(plant)
     return lambda: [u() for u in reversed(undo)]
@@ -304,6 +362,10 @@ RUNS = [("seg", "shard_loss"), ("seg", "whole_loss"), ("cls", "whole_loss")]
 PLANTS = [("skip_sum", "(2,2)", "seg", "shard_loss"), ("drop_accumulated", "(2,2)", "seg", "shard_loss"),
           ("every_head_counts", "(2,2)", "cls", "whole_loss"), ("clip_local", "R2x(2,1)", "seg", "shard_loss")]
 
+RESUMES = {"resume/(2,2)/seg/shard_loss": ("(2,2)", "seg", "shard_loss"),
+           "resume/R2x(2,1)/cls/whole_loss": ("R2x(2,1)", "cls", "whole_loss"),
+           "resume_plant/drop_scheduler": ("(2,2)", "seg", "shard_loss")}
+
 
 def run_all(timeout: float = 60.0) -> dict:
     """Every exactness run and every planted error, in one SPMD world of 4 ranks."""
@@ -318,6 +380,15 @@ def run_all(timeout: float = 60.0) -> dict:
                     results[name] = errors(distributed(world, kind, torch.float64, grid, replicas, how), refs[kind])
                 except Exception as exc:
                     results[name] = f"{type(exc).__name__}: {exc}"
+        for name, (cfg, kind, how) in RESUMES.items():
+            grid, replicas = CONFIGS[cfg]
+            undo = apply_plant("drop_scheduler" if name.startswith("resume_plant/") else None)
+            try:
+                results[name] = errors(resumed(world, kind, torch.float64, grid, replicas, how), refs[kind])
+            except Exception as exc:
+                results[name] = f"{type(exc).__name__}: {exc}"
+            finally:
+                undo()
         for cfg, (grid, replicas) in CONFIGS.items():
             for kind, how in RUNS:
                 name = f"bf16/{cfg}/{kind}/{how}"

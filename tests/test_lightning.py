@@ -19,15 +19,35 @@ pytest.importorskip("lightning", reason="the lightning extra (pip install 'bigco
 
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning_cases as cases  # noqa: E402
+import lightning_extra_cases as more  # noqa: E402
 
 from bigconv.runtime import spmd_launch as launch  # noqa: E402
 
 TOL = 1e-9
 
 
+BF16_FACTOR = 4.0
+"""How far past one process's own bf16 rounding (its bf16 run against its float32 run) the ranks' may be."""
+
+
 @pytest.fixture(scope="module")
 def ranks():
     return launch.run(cases.run_all, 4, (), timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def zoo_ranks():
+    return launch.run(cases.run_all, 4, (cases.ZOO, False), timeout=1200)
+
+
+def _pick(request, name):
+    """The spawn that ran ``name``: the default one, or the ``-m zoo`` one."""
+    return request.getfixturevalue("zoo_ranks" if name in cases.ZOO else "ranks")
+
+
+def _params(prefix):
+    return [pytest.param(n, marks=[pytest.mark.zoo] if n in cases.ZOO else []) for n in cases.EXTRA
+            if n.startswith(prefix)]
 
 
 def _case(ranks, name):
@@ -62,3 +82,74 @@ def test_each_broken_habit_is_seen(ranks, name):
             assert max(result["errors"].values()) > 10 * TOL, (rank, name, result["errors"])
         else:  # refused or failed outright is seen too
             assert result, (rank, name)
+
+
+@pytest.mark.timeout(1300)
+@pytest.mark.parametrize("name", _params("resume/"))
+def test_a_resumed_trainer_ends_where_an_uninterrupted_one_and_one_process_do(request, name):
+    """Epoch 1 of 2 checkpointed by ``ModelCheckpoint`` (weights, AdamW's state, the per-step schedule, the
+    loops' step and epoch); a new Trainer and a LightningModule made from other weights resume with
+    ``fit(ckpt_path=)``: the uninterrupted Trainer's weights bit for bit, one process's in float64."""
+    for rank, r in enumerate(_case(_pick(request, name), name)):
+        assert (r["steps"], r["epoch"]) == (4, 2), (rank, r["steps"], r["epoch"])
+        bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
+        assert not bad, (rank, bad)
+        assert r["equal"], (rank, r["uninterrupted"])
+
+
+@pytest.mark.zoo
+@pytest.mark.timeout(1300)
+def test_a_resume_that_drops_the_schedule_is_seen(zoo_ranks):
+    for rank, r in enumerate(_case(zoo_ranks, "resume_plant/drop_scheduler")):
+        assert max(r["errors"].values()) > 1e-3, (rank, r["errors"])
+
+
+@pytest.mark.timeout(1300)
+@pytest.mark.parametrize("name", _params("bf16/"))
+def test_bf16_mixed_within_one_processs_own_rounding(request, name):
+    """``Trainer(precision="bf16-mixed")``: every output's dtype is one process's under the same autocast, and
+    each weight after an epoch (AdamW, clipping, accumulation) lies within ``BF16_FACTOR`` times one
+    process's own bf16 error of this model's weights (its bf16 run against its float32 run). The dtype check
+    is what catches autocast ignored inside the network (seen once, planted: float32 outputs; the weights of
+    a float32 run lie within bf16's own rounding of a bf16 run, so the tolerance alone cannot)."""
+    for rank, r in enumerate(_case(_pick(request, name), name)):
+        assert r["dtypes"] == r["ref_dtypes"] and set(r["dtypes"]) == {"torch.bfloat16"}, (rank, r["dtypes"])
+        scale = max(own for _, own in r["weights"].values())
+        bad = {k: v for k, (v, _) in r["weights"].items() if not v <= BF16_FACTOR * scale}
+        assert not bad, (rank, bad, scale)
+
+
+@pytest.mark.timeout(1300)
+def test_16_mixed_grad_scaler_skips_the_same_steps_on_every_rank(ranks):
+    """The ``16-mixed`` plugin with a GradScaler whose first step overflows: the scaler reads summed
+    gradients, so every rank skips the same steps (equal scales) and holds the same weights; the first
+    overflow is where one process has it. (Later ones may differ: fp16 rounds a whole image and its shards
+    differently.)"""
+    per_rank = _case(ranks, "fp16/R2x(2,1)/seg")
+    first = per_rank[0]
+    assert first["dtypes"] == first["ref_dtypes"] and set(first["dtypes"]) == {"torch.float16"}, first["dtypes"]
+    assert first["scales"][0] == first["ref_scales"][0] < more.FP16_INIT_SCALE, first
+    for rank, r in enumerate(per_rank):
+        assert r["scales"] == first["scales"], (rank, r["scales"], first["scales"])
+        for k, v in r["state"].items():
+            assert (v == first["state"][k]).all(), (rank, k)
+
+
+@pytest.mark.timeout(1300)
+@pytest.mark.parametrize("name", _params("metrics/"))
+def test_validation_metrics_reach_the_csv_logger_as_global_values(request, name):
+    """torchmetrics' accuracy and AUROC over a validation set split between the replicas, logged with
+    ``self.log``: rank 0's ``CSVLogger`` writes one process's values over the whole set, not its replica's."""
+    per_rank = _case(_pick(request, name), name)
+    r0 = per_rank[0]
+    assert r0["logged"] is not None and {"val_acc", "val_auc"} <= set(r0["columns"]), r0
+    assert r0["global"] != r0["replica"]  # the check below can tell them apart
+    assert r0["logged"] == pytest.approx(r0["global"], abs=1e-6), r0
+    assert len({r["global"] for r in per_rank}) == 1
+
+
+@pytest.mark.zoo
+@pytest.mark.timeout(1300)
+def test_unsynced_metrics_are_seen(zoo_ranks):
+    r0 = _case(zoo_ranks, "metrics_plant/local")[0]
+    assert r0["logged"] != pytest.approx(r0["global"], abs=1e-6), r0

@@ -102,3 +102,22 @@ def test_each_broken_habit_is_seen(ranks, plant):
     a rank's own norm: each one fails the float64 comparison on every rank."""
     for rank, errors in enumerate(_case(ranks, f"plant/{plant}")):
         assert max(errors.values()) > 1e-3, (rank, plant, errors)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [n for n in cases.RESUMES if n.startswith("resume/")])
+def test_a_resumed_loop_ends_where_one_uninterrupted_process_does(ranks, name):
+    """Stopped after ``RESUME_AT`` steps, its checkpoint (the plain state dicts of the module, the optimizer,
+    the scheduler and the EMA, and the step) loaded into a module made from other weights: weights, EMA
+    weights, losses, norms and learning rates of one process that never stopped, in float64."""
+    per_rank = _case(ranks, name)
+    for rank, errors in enumerate(per_rank):
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, f"rank {rank}: {bad}"
+    assert any(k.startswith("ema/") for k in per_rank[0]) and "lrs" in per_rank[0]
+
+
+@pytest.mark.timeout(900)
+def test_a_resume_that_drops_the_schedule_is_seen(ranks):
+    for rank, errors in enumerate(_case(ranks, "resume_plant/drop_scheduler")):
+        assert errors["lrs"] > 1e-3 and max(errors.values()) > 1e-3, (rank, errors)

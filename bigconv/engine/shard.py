@@ -57,6 +57,10 @@ class ShardEngine:
         """Stepped after every optimizer step (``make_optimizer``'s ``scheduler``)."""
         self.clip: float | None = None
         """Clip the summed gradients to this global norm before each optimizer step."""
+        self.ema: dict[str, torch.Tensor] | None = None
+        """An exponential moving average of the state dict, updated after every optimizer step (``make_optimizer``'s
+        ``ema``): kept here, where the weights are, so that no step moves the weights to the driver."""
+        self.ema_decay = 0.0
         self.accumulating = False
         """Gradients of calls with ``accumulate`` wait in ``.grad``, unsummed, for the next summing call."""
         self.grad_group = grad_group
@@ -151,10 +155,12 @@ class ShardEngine:
             raise ValueError(losses.label_message(first, out.shape[1]))
 
     # -- a training step ------------------------------------------------------------------------------
-    def make_optimizer(self, cls: type, kwargs: dict, factory=None, scheduler=None, clip: float | None = None) -> dict:
+    def make_optimizer(self, cls: type, kwargs: dict, factory=None, scheduler=None, clip: float | None = None,
+                       ema: float | None = None) -> dict:
         """``cls(parameters, **kwargs)``, or ``factory(named_parameters)`` (param groups by name); a
-        ``scheduler(optimizer)`` stepped after each step; gradient clipping by the global norm. Returns
-        what the front end records of it: the class and the group sizes."""
+        ``scheduler(optimizer)`` stepped after each step; gradient clipping by the global norm; with ``ema``
+        (a decay), an EMA of the weights from now on (``update_ema``). Returns what the front end records of
+        it: the class and the group sizes."""
         if factory is not None:
             opt = factory(list(self.model.named_parameters()))
             if not isinstance(opt, torch.optim.Optimizer):
@@ -163,6 +169,8 @@ class ShardEngine:
             opt = cls(self.model.parameters(), **kwargs)
         self.opt, self.clip, self.accumulating = opt, clip, False
         self.scheduler = scheduler(opt) if scheduler is not None else None
+        self.ema_decay = float(ema) if ema is not None else 0.0
+        self.ema = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if ema is not None else None
         return {"class": saving.class_name(type(opt)), "groups": [len(g["params"]) for g in opt.param_groups]}
 
     def begin(self, accumulate: bool = False) -> None:
@@ -196,6 +204,20 @@ class ShardEngine:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.opt.zero_grad(set_to_none=True)
+            self.update_ema()
+
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        """``ema = decay * ema + (1 - decay) * weight`` for every floating entry of the state dict, a copy for the
+        others (counters): timm's ``ModelEmaV3(model, decay)`` with ``update(model)``, made at the optimizer."""
+        if self.ema is None:
+            return
+        for name, value in self.model.state_dict().items():
+            kept = self.ema[name]
+            if kept.is_floating_point():
+                kept.lerp_(value, 1.0 - self.ema_decay)
+            else:
+                kept.copy_(value)
 
     def param_grads(self) -> dict[str, torch.Tensor]:
         """The summed parameter gradients (after ``end(step=False)``), on the CPU; then cleared."""
@@ -217,10 +239,17 @@ class ShardEngine:
     def scheduler_state(self) -> dict | None:
         return saving.to_cpu(self.scheduler.state_dict()) if self.scheduler is not None else None
 
-    def load(self, model_state: dict, optimizer_state: dict | None, scheduler_state: dict | None = None) -> None:
+    def ema_state(self) -> dict | None:
+        return saving.to_cpu(self.ema) if self.ema is not None else None
+
+    def load(self, model_state: dict, optimizer_state: dict | None, scheduler_state: dict | None = None,
+             ema_state: dict | None = None) -> None:
         self.model.load_state_dict(model_state)
         if optimizer_state is not None:
             self.opt.load_state_dict(optimizer_state)
         if scheduler_state is not None:
             self.scheduler.load_state_dict(scheduler_state)
+        if ema_state is not None:
+            for name, kept in self.ema.items():
+                kept.copy_(ema_state[name])
         self.accumulating = False

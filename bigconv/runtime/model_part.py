@@ -344,8 +344,9 @@ class ModelPart:
         return (grads[x].cpu() if x is not None and x in grads else None), params
 
     # -- state ----------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return self.engine.state_dict()
+    def state_dict(self, ema: bool = False) -> dict:
+        """The weights, or with ``ema`` their moving average (``net.optimizer(..., ema=)``)."""
+        return self.engine.ema_state() if ema else self.engine.state_dict()
 
     def checkpoint_state(self, full: bool) -> dict:
         """This replica's generator states; with ``full``, its weights and optimizer state as well."""
@@ -354,10 +355,11 @@ class ModelPart:
             state["model"] = self.state_dict()
             state["optimizer"] = self.engine.optimizer_state()
             state["scheduler"] = self.engine.scheduler_state()
+            state["ema"] = self.engine.ema_state()
         return state
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None,
-                        scheduler_state: dict | None = None) -> None:
-        self.engine.load(model_state, optimizer_state, scheduler_state)
+                        scheduler_state: dict | None = None, ema_state: dict | None = None) -> None:
+        self.engine.load(model_state, optimizer_state, scheduler_state, ema_state)
         if rng is not None:
             set_rng_state(rng, self.rt.device)
