@@ -9,7 +9,9 @@ The file is a ``torch.save`` of plain data (loadable with ``weights_only=True``)
   ``"workers"``, ``"format"``, ``"version"``;
 - ``"scheduler"`` (the ``scheduler=`` factory's scheduler's ``state_dict()``, or None) and ``"epoch"``
   (what ``save(..., epoch=)`` was given, or None): with the above, what a preempted run needs to resume
-  exactly.
+  exactly;
+- ``"ema"``: the driver mode's moving average of the weights (``net.optimizer(..., ema=)``) under the
+  single-process names, where one is kept.
 
 A plain process continues with ``model.load_state_dict(ck["model"])`` and
 ``optimizer.load_state_dict(ck["optimizer"])``.
