@@ -121,13 +121,13 @@ def report(path: str) -> None:
 
 def main(argv=None) -> None:
     p = cli.parser("experiments.gpu_loop", __doc__)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="where both sides run (cpu: to check the script)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"],
                    help="float32: no autocast (the floor the other rows are read against)")
-    p.add_argument("--size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--size", type=int, default=256, help="the images' edge")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per side")
     p.add_argument("--no-tf32", action="store_true", help="convolutions without TF32 (PyTorch's default allows it)")
-    p.add_argument("--out", default="results/gpu_loop.jsonl")
+    p.add_argument("--out", default="results/gpu_loop.jsonl", help="records file (appended)")
     p.add_argument("--report", action="store_true", help="print the table of --out's records, measuring nothing")
     args = p.parse_args(argv)
     if args.report:

@@ -147,15 +147,15 @@ def report(path: str) -> None:
 
 def main(argv=None) -> None:
     p = cli.parser("experiments.gpu_planner", __doc__)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="models to measure")
+    p.add_argument("--device", default="cuda", help="where the steps run (cpu: to check the script)")
     p.add_argument("--gpu", default="h100-80gb", help="the device table's entry the plain prediction uses")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per measurement (after an untimed one)")
     p.add_argument("--quick", action="store_true", help="the smallest edge of each model only, 2 steps")
     p.add_argument("--no-bigconv", action="store_true", help="skip the bigconv rank (plain model only)")
     p.add_argument("--calibration", type=int, default=CALIBRATION, help="the op table's calibration edge")
     p.add_argument("--sizes", nargs="+", type=int, default=None, help="edges (default: each model's three)")
-    p.add_argument("--out", default="results/gpu_planner.jsonl")
+    p.add_argument("--out", default="results/gpu_planner.jsonl", help="records file (appended)")
     p.add_argument("--report", action="store_true", help="print the table of --out's records, measuring nothing")
     args = p.parse_args(argv)
     if args.report:

@@ -20,7 +20,6 @@ Appends one JSON line per round and one summary line to ``--out``; prints a mark
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -31,6 +30,8 @@ import bigconv  # noqa: F401  (torchvision on a CPU torch before lightning)
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from bigconv.harness import cli
 
 
 def build() -> nn.Module:
@@ -139,16 +140,16 @@ def rank_main(grid, size: int, steps: int, warmup: int, rounds: int, seed: int) 
 def main(argv=None) -> None:
     from bigconv.runtime import spmd_launch as launch
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--grid", type=int, nargs="+", default=[2, 1])
+    parser = cli.parser("experiments.lightning_step", __doc__)
+    parser.add_argument("--ranks", type=int, default=2, help="local SPMD ranks")
+    parser.add_argument("--grid", type=int, nargs="+", default=[2, 1], help="shards per spatial dim")
     parser.add_argument("--size", type=int, default=256, help="image edge (2 images per batch)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per loop and round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds, each timing both loops in a seeded order")
     parser.add_argument("--seed", type=int, default=0, help="of the per-round order of the loops")
-    parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--out", default="results/lightning_step.jsonl")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped")
+    parser.add_argument("--out", default="results/lightning_step.jsonl", help="records file (appended)")
     args = parser.parse_args(argv)
     records = launch.run(rank_main, args.ranks, (tuple(args.grid), args.size, args.steps, args.warmup, args.rounds,
                                                  args.seed), timeout=args.timeout)[0]  # rank 0's clock

@@ -22,7 +22,7 @@ CLIS = [
     "experiments.demo",
     "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
     "experiments.grad_group_cost", "experiments.host_bound",
-    "experiments.maxsize", "experiments.memory_probe", "experiments.planner", "experiments.pyramid_write",
+    "experiments.maxsize", "experiments.memory_probe", "experiments.planner", "experiments.gpu_planner", "experiments.gpu_loop", "experiments.lightning_step", "experiments.pyramid_write",
     "experiments.runtime_costs",
     "experiments.spmd_overhead", "experiments.step_time_ab", "experiments.sweep", "experiments.verdict_panel",
     "experiments.whole_slide", "experiments.zoo_coverage",
