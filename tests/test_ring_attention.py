@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from verdicts import assert_exact
 
+from bigconv.check import layer_report
 from bigconv.compat import allow_torchvision_without_ops
 from bigconv.engine.executor import ShardExecutor
 from bigconv.geometry.boxes import all_coords, shard_box
@@ -222,3 +223,21 @@ def test_sdpa_over_flattened_positions_exact(world):
 ])
 def test_causal_and_masked_attention_refused(refused_before_remote_work, kind, words):
     refused_before_remote_work(TokenAttention(causal=kind == "causal", mask=kind == "mask"), words, shape=(2, 1, 8, 8))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_vit_without_class_token_split_by_ring_attention(world):
+    """timm's ViT over patch tokens (no class token, average pooling): its blocks' SDPA by ring passes, its
+    position embedding cut to each shard's tokens; 5x5 tokens on 2x2 shards (3/2 by 3/2)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=3, img_size=40, patch_size=8,
+                              embed_dim=16, depth=2, num_heads=2, class_token=False, global_pool="avg").double()
+    attention = []
+    _, error = layer_report(model, (2, 3, 40, 40), (2, 2), dtype=torch.float64, attention=attention)
+    assert error is None and [s.split(":")[0] for _, _, s in attention] == ["ring", "ring"], (error, attention)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))
