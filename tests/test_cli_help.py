@@ -23,6 +23,7 @@ CLIS = [
     "experiments.dsn_target_only", "experiments.faults", "experiments.fig7", "experiments.gpu_check",
     "experiments.grad_group_cost", "experiments.host_bound",
     "experiments.maxsize", "experiments.memory_probe", "experiments.planner", "experiments.pyramid_write",
+    "experiments.ring_attention",
     "experiments.runtime_costs",
     "experiments.spmd_overhead", "experiments.step_time_ab", "experiments.sweep", "experiments.verdict_panel",
     "experiments.whole_slide", "experiments.zoo_coverage",
