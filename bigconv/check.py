@@ -143,9 +143,7 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ())
         return _global_strategy(module, ins[0], grid)
     if any(global_shape(t) is not None or positions(t) is not None for t in outs):
         return "split: each worker its own windows (no keys from other workers)"
-    return ("replicated: its input was already whole on every worker (tokens gathered before it, or a small map; a "
-            "class token joined to the patch tokens gathers them: timm ViTs built with class_token=False, "
-            "global_pool='avg' attend over split tokens by ring attention)")
+    return "replicated: its input was already whole on every worker (tokens gathered before it, or a small map)"
 
 
 def global_attention_bytes(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> int:
@@ -359,6 +357,16 @@ def estimate_memory(spec: str, shape: tuple[int, ...], workers: int, edges: tupl
         measured={str(e): p for e, p in zip(edges, peaks)})
 
 
+def memory_hint(error: str, edges) -> str:
+    """What to do when a small plain run of the memory estimate failed: a model built for one input size (timm's
+    img_size assertion) takes no other, larger edges would not help; other failures (BatchNorm on 1x1 maps) may."""
+    if "AssertionError" in error and ("doesn't match model" in error or "img_size" in error):
+        return (f"the model takes only the input size it was built for, so the estimate's plain runs at "
+                f"{' and '.join(str(e) for e in edges)} px cannot run: build it for any size (timm: "
+                "dynamic_img_size=True) or pass --no-memory")
+    return "try larger --memory-edges"
+
+
 def as_dict(obj) -> dict:
     return asdict(obj)
 
@@ -492,7 +500,7 @@ def check(args) -> dict:
             result["memory"] = as_dict(estimate_memory(args.model, shape, args.workers, args.memory_edges))
             result["memory"]["per_process_bytes"] += result["attention_bytes"]
         except RuntimeError as exc:  # a small run the model cannot take (BatchNorm on 1x1 maps of one image)
-            result["memory"] = {"error": f"{exc}; try larger --memory-edges"}
+            result["memory"] = {"error": f"{exc}; {memory_hint(str(exc), args.memory_edges)}"}
     if args.no_exact or error:
         result["exactness"] = None
     else:
@@ -536,6 +544,9 @@ def report(r: dict) -> str:
             lines.append("WARNING: most of this model runs replicated on every worker (maps smaller than the grid, "
                          "tokens gathered whole for attention between all positions): more workers will not make it "
                          "fit or run faster; see docs/models.md")
+            if any(a["strategy"].startswith("replicated") for a in r.get("attention") or []):
+                lines.append("  (a ViT's class token, joined to the patch tokens, gathers them whole: a timm ViT built "
+                             "with class_token=False, global_pool='avg' attends over split tokens by ring attention)")
     m = r["memory"]
     if m and "error" in m:
         lines += ["", f"Memory: not estimated: {m['error'][-600:]}"]

@@ -75,3 +75,14 @@ def test_botnet_attention_named_ring_with_its_buffers_counted():
         # two 64x256 score matrices
         assert max(extra) == (4 * 4 * (2 * 64 * 2 * 256 + 2 * 64 * 64) if strategy == "ring"
                               else 4 * 4 * (256 * 256 + 2 * 64 * 256)), extra
+
+
+def test_memory_hint_for_a_model_built_for_one_size():
+    """A ViT built for 1024 px fails the estimate's plain runs at 128 px on timm's size assertion: larger
+    --memory-edges would not help (the old hint), a model built for any size would."""
+    from bigconv.check import memory_hint
+
+    timm_error = "AssertionError: Input height (128) doesn't match model (1024)."
+    assert "dynamic_img_size=True" in memory_hint(timm_error, (128, 256)) and "larger" not in memory_hint(
+        timm_error, (128, 256))
+    assert memory_hint("Expected more than 1 value per channel when training", (128, 256)) == "try larger --memory-edges"
