@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import socket
 import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -32,19 +30,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _inputs(n: int, heads: int, dim: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(heads, n, dim, generator=g) for _ in range(3)]
-
-
 def _one(side: int, heads: int, dim: int, steps: int, queue) -> None:
+    from bigconv.harness.attention_cost import inputs, rss_bytes
+
     torch.set_num_threads(1)
-    q, k, v = _inputs(side * side, heads, dim)
-    base = _rss()
+    q, k, v = inputs(side * side, heads, dim)
+    base = rss_bytes()
     times = []
     for _ in range(steps):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -52,41 +43,17 @@ def _one(side: int, heads: int, dim: int, steps: int, queue) -> None:
         out = torch.softmax(leaves[0] @ leaves[1].transpose(-1, -2) / dim ** 0.5, -1) @ leaves[2]
         out.sum().backward()
         times.append(time.perf_counter() - start)
-    queue.put((0, _rss() - base, statistics.median(times[1:] or times)))
+    queue.put((0, rss_bytes() - base, statistics.median(times[1:] or times)))
 
 
 def _rank(rank: int, size: int, port: int, strategy: str, side: int, heads: int, dim: int, steps: int,
           queue) -> None:
-    from bigconv.engine.executor import ShardExecutor
-    from bigconv.geometry.boxes import balanced_bounds
-    from bigconv.ops.global_attention import _Plan, attend
-    from bigconv.transport import WorkerRuntime, new_stats
-    from bigconv.transport.p2p import P2PLink
+    from bigconv.harness.attention_cost import rank_cost
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    q, k, v = _inputs(side * side, heads, dim)
-    a, b = balanced_bounds(side, size)[rank]
-    rows = slice(a * side, b * side)
-    q, k, v = (t[:, rows].contiguous() for t in (q, k, v))
-    stats = new_stats()
-    rt = WorkerRuntime(index=rank, workers=size, device=torch.device("cpu"), timeout=300.0, stats=stats)
-    rt.link = P2PLink(None, list(range(size)), rank, 300.0, stats)
-    dist.barrier()
-    base = _rss()
-    times = []
-    for step in range(steps):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        dist.barrier()
-        start = time.perf_counter()
-        plan = _Plan(ShardExecutor((size, 1), step + 1, rt), (side, side), dim ** -0.5, "cpu")
-        out = attend(plan, *leaves, (), strategy)
-        out.sum().backward()
-        times.append(time.perf_counter() - start)
-    queue.put((rank, _rss() - base, statistics.median(times[1:] or times)))
-    dist.barrier()
-    dist.destroy_process_group()
+    peak, step = rank_cost(rank, size, strategy, side, heads, dim, steps)
+    queue.put((rank, peak, step))
 
 
 def run(kind: str, side: int, workers: int, heads: int, dim: int, steps: int) -> dict:

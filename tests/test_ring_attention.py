@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from bigconv.check import layer_report
 from bigconv.compat import allow_torchvision_without_ops
 from bigconv.engine.executor import ShardExecutor
 from bigconv.geometry.boxes import all_coords, shard_box
-from bigconv.ops.global_attention import _Plan, attend, block_coords, use
+from bigconv.ops.global_attention import Alone, RingPlan, attend, block_coords, use
 from bigconv.transport import Mailbox, WorkerRuntime
 from bigconv.transport.rpc import LocalLink
 from bigconv.verify import compare_training
@@ -94,7 +95,7 @@ def test_ring_backward_is_the_adjoint_of_its_forward(grid):
     def run(ex, i):
         rows = _rows(shape, grid, list(all_coords(grid))[i])
         vi = v[:, rows].clone().requires_grad_(True)
-        plan = _Plan(ex, shape, 0.4, "cpu")
+        plan = RingPlan(SimpleNamespace(executor=ex), shape, 0.4, "cpu")
         out = attend(plan, q[:, rows], k[:, rows], vi, [t[:, rows] for t in tables])
         out.backward(w[:, rows])
         return float((out.detach() * w[:, rows]).sum()), float((vi.detach() * vi.grad).sum())
@@ -106,14 +107,9 @@ def test_ring_backward_is_the_adjoint_of_its_forward(grid):
 
 def _one_process(shape, q, k, v, tables, w):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, *tables)]
-    out = attend(_Plan(_One(len(shape)), shape, 0.4, "cpu"), *leaves[:3], leaves[3:])
+    out = attend(RingPlan(Alone(len(shape)), shape, 0.4, "cpu"), *leaves[:3], leaves[3:])
     out.backward(w)
     return out.detach(), [t.grad for t in leaves]
-
-
-class _One:
-    def __init__(self, n):
-        self.grid, self.coord = (1,) * n, (0,) * n
 
 
 @pytest.mark.timeout(60)
@@ -130,7 +126,7 @@ def test_op_exact_forward_and_backward_on_uneven_shards(grid, strategy):
     def run(ex, i):
         rows = _rows(shape, grid, coords[i])
         leaves = [t[:, rows].clone().requires_grad_(True) for t in (q, k, v, *tables)]
-        out = attend(_Plan(ex, shape, 0.4, "cpu"), *leaves[:3], leaves[3:], strategy)
+        out = attend(RingPlan(SimpleNamespace(executor=ex), shape, 0.4, "cpu"), *leaves[:3], leaves[3:], strategy)
         return rows, out, leaves
 
     parts = on_threads(grid, run)
@@ -204,6 +200,22 @@ def test_bottleneck_attention_exact_on_uneven_shards(world, strategy):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 1, 7, 5, generator=g, dtype=torch.float64)
     assert_exact(_verdict(BottleneckNet(strategy=strategy).double(), world, x, torch.tensor([0, 2])))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_bottleneck_attention_on_the_rpc_transport_gathers_exactly(world):
+    """Under the rpc transport's distributed autograd a ring pass inside backward stalls (a 60 s RPC timeout):
+    its link says so (``ring_in_backward``) and the ring strategy gathers there instead."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 7, 5, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(BottleneckNet().double(), world, x, torch.tensor([0, 2]), nn.CrossEntropyLoss(),
+                             grid=(2, 2), transport="rpc")
+    r.pop("net", None)
+    assert_exact(r)
 
 
 @pytest.mark.world(4)

@@ -170,6 +170,8 @@ class ShardExecutor(Executor):
         self.link = rt.link
         self.replicas, self.replica_link = self.rt.replicas, self.rt.replica_link
         self.coord = coord_of(self.rt.index, grid)
+        self.ring_passes: bool = getattr(self.link, "ring_in_backward", True)
+        """Whether ``ring`` may run in backward on this link (not under the rpc transport's distributed autograd)."""
         self.exchange = 0
         self.recorders: list[dict] = []
         """Caches that keep what this forward receives, for a checkpointed block's recompute."""

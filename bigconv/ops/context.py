@@ -38,6 +38,8 @@ class Executor(Protocol):
     """This shard's coordinate in ``grid``."""
     replicas: int
     """Data-parallel replicas of the whole grid (1 without data parallelism)."""
+    ring_passes: bool
+    """Whether ``ring`` may run inside an autograd Function's backward on this transport."""
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
 

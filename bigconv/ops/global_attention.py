@@ -37,7 +37,7 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..geometry.boxes import all_coords, index_of, shard_box
-from .context import Executor, RuleContext
+from .context import RuleContext
 from .shards import bind, global_shape, mark, mark_positions, positions
 
 STRATEGY_ATTR = "_bigconv_attention"
@@ -96,14 +96,15 @@ def _scores(q, k, scale, tables, qc, kc, shape):
     return s if bias is None else s + bias
 
 
-class _Plan:
+class RingPlan:
     """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
 
-    def __init__(self, executor: Executor, shape: Sequence[int], scale: float, device) -> None:
-        self.executor, self.shape, self.scale = executor, tuple(shape), scale
-        self.grid = tuple(executor.grid)
+    def __init__(self, ctx, shape: Sequence[int], scale: float, device) -> None:
+        """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``."""
+        self.ctx, self.shape, self.scale = ctx, tuple(shape), scale
+        self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
-        self.index = index_of(executor.coord, self.grid)
+        self.index = index_of(ctx.executor.coord, self.grid)
         self.size = len(self.coords)
         self.counts = [math.prod(b - a for a, b in shard_box(shape, self.grid, c)) for c in self.coords]
         self.device = device
@@ -118,7 +119,7 @@ class _Plan:
         lead = parts[0].shape[0]
         flat = torch.cat([p.reshape(-1) for p in parts])
         n = self.counts[new]
-        got = self.executor.ring(flat, (lead * n * sum(widths),), "ring attention block")
+        got = self.ctx.executor.ring(flat, (lead * n * sum(widths),), "ring attention block")
         out, at = [], 0
         for w in widths:
             out.append(got[at:at + lead * n * w].view(lead, n, w))
@@ -130,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
     """Exact attention of this shard's queries over every shard's keys by ring passes (module doc)."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v, *tables):
+    def forward(ctx, plan: RingPlan, q, k, v, *tables):
         qc = plan.coords_of(plan.index)
         kb, vb, src = k, v, plan.index
         top = acc = total = None
@@ -159,7 +160,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        plan: _Plan = ctx.plan
+        plan: RingPlan = ctx.plan
         q, k, v, out, lse, *tables = ctx.saved_tensors
         qc = plan.coords_of(plan.index)
         dout = dout.contiguous()
@@ -188,11 +189,10 @@ class _RingAttention(torch.autograd.Function):
         return (None, dq, dk, dv, *dtables)
 
 
-def _gathered(plan: _Plan, q, k, v, tables):
+def _gathered(plan: RingPlan, q, k, v, tables):
     """Every shard's keys and values gathered (differentiably), then plain attention."""
-    ex = plan.executor
     kv = torch.cat([k, v], -1)
-    parts = ex.allgather(kv, "keys and values of global attention",
+    parts = plan.ctx.executor.allgather(kv, "keys and values of global attention",
                          [(kv.shape[0], n, kv.shape[-1]) for n in plan.counts])
     whole = torch.cat(parts, 1)
     ks, vs = whole[..., :k.shape[-1]], whole[..., k.shape[-1]:]
@@ -201,9 +201,9 @@ def _gathered(plan: _Plan, q, k, v, tables):
     return torch.softmax(s, -1) @ vs
 
 
-def attend(plan: _Plan, q, k, v, tables=(), strategy: str = "ring") -> torch.Tensor:
+def attend(plan: RingPlan, q, k, v, tables=(), strategy: str = "ring") -> torch.Tensor:
     """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys."""
-    if strategy == "gathered":
+    if strategy == "gathered" or not plan.ctx.executor.ring_passes:  # the rpc transport: gathered (ring_in_backward)
         return _gathered(plan, q, k, v, tables)
     return _RingAttention.apply(plan, q, k, v, *tables)
 
@@ -219,10 +219,10 @@ def attend_map(q, k, v, heads: int, scale: float, rel: Sequence[torch.Tensor] = 
     if has_torch_function(tensors):
         return handle_torch_function(attend_map, tensors, q, k, v, heads, scale, rel, scale_rel, strategy)
     shape = tuple(q.shape[2:])
-    return _map_attention(None, q, k, v, heads, scale, rel, scale_rel, strategy, shape)
+    return _map_attention(Alone(len(shape)), q, k, v, heads, scale, rel, scale_rel, strategy, shape)
 
 
-def _map_attention(executor, q, k, v, heads, scale, rel, scale_rel, strategy, shape):
+def _map_attention(ctx, q, k, v, heads, scale, rel, scale_rel, strategy, shape):
     b, spatial = q.shape[0], tuple(q.shape[2:])
     g = b * heads
 
@@ -233,15 +233,15 @@ def _map_attention(executor, q, k, v, heads, scale, rel, scale_rel, strategy, sh
     tables = [qf @ r.transpose(-1, -2) for r in rel]
     if scale_rel:
         tables = [t * scale for t in tables]
-    if executor is None:
-        executor = _OneShard(len(shape))
-    plan = _Plan(executor, shape, scale, q.device)
+    plan = RingPlan(ctx, shape, scale, q.device)
     out = attend(plan, qf, kf, vf, tables, strategy)
     return out.transpose(-1, -2).reshape(b, -1, *spatial)
 
 
-class _OneShard:
+class OneShard:
     """One process's executor: a grid of one shard, no exchange."""
+
+    ring_passes = True
 
     def __init__(self, dims: int) -> None:
         self.grid, self.coord = (1,) * dims, (0,) * dims
@@ -253,13 +253,20 @@ class _OneShard:
         return [partial]
 
 
+class Alone:
+    """One process's stand-in for the mode: what ``RingPlan`` reads of it."""
+
+    def __init__(self, dims: int) -> None:
+        self.executor = OneShard(dims)
+
+
 def _attend_map_rule(mode: RuleContext, func, args, kwargs):
     b = bind(("q", "k", "v", "heads", "scale", "rel", "scale_rel", "strategy"), args, kwargs)
     q, k, v = b["q"], b["k"], b["v"]
     shape = mode.one_shape(func, [q, k, v])
     if any(global_shape(t) is None for t in (q, k, v)):
         raise mode.unsupported(func, "its query, key and value are not all sharded maps", FIX)
-    out = _map_attention(mode.executor, q, k, v, b["heads"], b["scale"], b.get("rel", ()), b.get("scale_rel", False),
+    out = _map_attention(mode, q, k, v, b["heads"], b["scale"], b.get("rel", ()), b.get("scale_rel", False),
                          b.get("strategy", "ring"), shape)
     return mark(out, shape)
 
@@ -323,7 +330,7 @@ def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
     lead = q.shape[:-2]
     g = math.prod(lead)
     scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    plan = _Plan(mode.executor, tuple(shape), scale, q.device)
+    plan = RingPlan(mode, tuple(shape), scale, q.device)
     out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]))
     return mark_positions(out.reshape(*lead, *out.shape[-2:]), shape, -2)
 
