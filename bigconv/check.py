@@ -122,6 +122,15 @@ def halo_width(window, n_in: int, n_out: int, parts: int) -> int:
     return max(widest, 0)
 
 
+def _is_attention(module: nn.Module) -> bool:
+    kind = type(module).__name__.lower()
+    return "attention" in kind or "attn" in kind
+
+
+def _bytes(n: int) -> str:
+    return _mib(n) if n >= MiB else f"{n / 1024:,.0f} KiB"
+
+
 def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ()) -> str:
     """How the shards computed an attention module's call (``bigconv.ops.windows``, ``positions``, ``whole``)."""
     if getattr(module, HOLD_ATTR, False):
@@ -135,7 +144,7 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ())
         # Tokens flattened from a map stayed split through the module: its SDPA ran by ring passes
         total = math.prod(flat[0])
         extra = tokens_attention_bytes(module, ins, grid)
-        held = f" (ring buffers and score tiles {_mib(extra)} per worker)" if extra else ""
+        held = f" (ring buffers and score tiles {_bytes(extra)} per worker)" if extra else ""
         return f"ring: keys and values of all {total} positions passed round the workers, one block at a time{held}"
     if any(positions(t) is not None and GATHER_ATTR in t.__dict__ for t in ins):
         return "gathered whole (attention between all positions): every token on every worker"
@@ -175,10 +184,10 @@ def _global_strategy(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) 
     strategy = getattr(module, global_attention.STRATEGY_ATTR, "ring")
     total, extra = math.prod(global_shape(x)), global_attention_bytes(module, x, grid)
     if strategy == "gathered":
-        return (f"gathered: keys and values of all {total} positions on every worker ({_mib(extra)} per worker for "
+        return (f"gathered: keys and values of all {total} positions on every worker ({_bytes(extra)} per worker for "
                 "them and the scores)")
     return (f"ring: keys and values of all {total} positions passed round the workers, one block at a time "
-            f"(ring buffers and score tiles {_mib(extra)} per worker)")
+            f"(ring buffers and score tiles {_bytes(extra)} per worker)")
 
 
 def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...], dtype=torch.float32,
@@ -192,8 +201,8 @@ def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...]
     seen: list[tuple[str, nn.Module, tuple, tuple, bool]] = []
     handles = []
     for name, module in planner.meta.named_modules():
-        kind = type(module).__name__.lower()
-        if attention is not None and ("attention" in kind or "attn" in kind):
+        if attention is not None and _is_attention(module) and not any(
+                _is_attention(m) for m in list(module.modules())[1:]):  # a block holding one: its attention is named
             def attn_hook(mod, args, out, name=name):
                 if threading.current_thread().name == "bigconv-dry-run-0":
                     attention.append((name, type(mod).__name__, attention_strategy(mod, args, out, grid)))
@@ -538,7 +547,7 @@ def report(r: dict) -> str:
         for a in r.get("attention") or []:
             lines.append(f"  attention {a['module']} ({a['type']}): {a['strategy']}")
         if r.get("attention_bytes"):
-            lines.append(f"  global attention holds up to {_mib(r['attention_bytes'])} per worker beyond its activations "
+            lines.append(f"  global attention holds up to {_bytes(r['attention_bytes'])} per worker beyond its activations "
                          "(ring buffers or gathered keys; counted in the memory estimate below)")
         if share["compute"] < 0.5 or share["activations"] < 0.5:
             lines.append("WARNING: most of this model runs replicated on every worker (maps smaller than the grid, "

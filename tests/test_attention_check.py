@@ -67,6 +67,7 @@ def test_botnet_attention_named_ring_with_its_buffers_counted():
             use(model, "gathered")
         rows, error = layer_report(model, (1, 3, 256, 256), (2, 2), attention=attention, attention_bytes=extra)
         assert error is None, error
+        assert {t for _, t, _ in attention} == {"BottleneckAttn"}, attention  # not the SelfAttnBlocks holding them
         named = {n: s for n, t, s in attention if t == "BottleneckAttn"}
         assert len(named) == 3 and all(s.startswith(f"{strategy}:") for s in named.values()), named
         assert split_share(rows)["compute"] > 0.95
