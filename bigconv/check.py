@@ -547,8 +547,8 @@ def report(r: dict) -> str:
         for a in r.get("attention") or []:
             lines.append(f"  attention {a['module']} ({a['type']}): {a['strategy']}")
         if r.get("attention_bytes"):
-            lines.append(f"  global attention holds up to {_bytes(r['attention_bytes'])} per worker beyond its activations "
-                         "(ring buffers or gathered keys; counted in the memory estimate below)")
+            lines.append(f"  global attention holds up to {_bytes(r['attention_bytes'])} per worker beyond its "
+                         "activations (ring buffers or gathered keys; counted in the memory estimate below)")
         if share["compute"] < 0.5 or share["activations"] < 0.5:
             lines.append("WARNING: most of this model runs replicated on every worker (maps smaller than the grid, "
                          "tokens gathered whole for attention between all positions): more workers will not make it "

@@ -91,7 +91,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = [run(kind, side, args.workers, args.heads, args.dim, args.steps)
             for side in args.sides for kind in ("one process", "ring", "gathered")]
-    lines = ["| positions | form | processes | peak per process over baseline (MiB) | step (s) |", "|---|---|---|---|---|"]
+    lines = ["| positions | form | processes | peak per process over baseline (MiB) | step (s) |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['positions']} ({r['side']}x{r['side']}) | {r['kind']} | {r['processes']} | {r['peak_mib']:.1f} | "
               f"{r['step_s']:.3f} |" for r in rows]
     text = "\n".join(lines)

@@ -86,4 +86,5 @@ def test_memory_hint_for_a_model_built_for_one_size():
     timm_error = "AssertionError: Input height (128) doesn't match model (1024)."
     assert "dynamic_img_size=True" in memory_hint(timm_error, (128, 256)) and "larger" not in memory_hint(
         timm_error, (128, 256))
-    assert memory_hint("Expected more than 1 value per channel when training", (128, 256)) == "try larger --memory-edges"
+    other = "Expected more than 1 value per channel when training"
+    assert memory_hint(other, (128, 256)) == "try larger --memory-edges"

@@ -29,7 +29,7 @@ from verdicts import assert_exact
 from bigconv.check import layer_report
 from bigconv.compat import allow_torchvision_without_ops
 from bigconv.engine.executor import ShardExecutor
-from bigconv.geometry.boxes import all_coords, shard_box
+from bigconv.geometry.boxes import all_coords
 from bigconv.ops.global_attention import Alone, RingPlan, attend, block_coords, use
 from bigconv.transport import Mailbox, WorkerRuntime
 from bigconv.transport.rpc import LocalLink

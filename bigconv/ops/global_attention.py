@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
@@ -343,7 +343,8 @@ def over_positions(inner):
     def rule(mode: RuleContext, func, args, kwargs):
         b = bind(("query", "key", "value"), args, kwargs)
         marks = [positions(t) for t in (b.get("query"), b.get("key"), b.get("value"))]
-        if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, (b["query"], b["key"], b["value"]))):
+        tensors = (b["query"], b["key"], b["value"])
+        if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)):
             if len({m[0] for m in marks}) != 1:
                 raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)
 
