@@ -43,12 +43,16 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .geometry.boxes import TransposedWindow, Window, balanced_bounds, check_positive_int, choose_grid, validate_grid
+from .geometry.boxes import (
+    TransposedWindow, Window, balanced_bounds, check_positive_int, choose_grid, shard_box, validate_grid,
+)
 from .harness import devices
 from .harness.model_spec import FORMS, build_model
 from .ops.shards import (
-    GATHER_ATTR, WHOLE_WINDOWS_ATTR, global_shape, is_replicated, lead, positions, spatial_dims, tree_flatten,
+    GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, spatial_dims,
+    tree_flatten,
 )
+from .ops import global_attention
 from .ops.whole import HOLD_ATTR
 from .planning import Planner
 from .runtime.world import WORKER_ENV
@@ -118,7 +122,16 @@ def halo_width(window, n_in: int, n_out: int, parts: int) -> int:
     return max(widest, 0)
 
 
-def attention_strategy(module: nn.Module, args, out) -> str:
+def _is_attention(module: nn.Module) -> bool:
+    kind = type(module).__name__.lower()
+    return "attention" in kind or "attn" in kind
+
+
+def _bytes(n: int) -> str:
+    return _mib(n) if n >= MiB else f"{n / 1024:,.0f} KiB"
+
+
+def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ()) -> str:
     """How the shards computed an attention module's call (``bigconv.ops.windows``, ``positions``, ``whole``)."""
     if getattr(module, HOLD_ATTR, False):
         return "held whole (bigconv.hold_whole): the whole map on every worker"
@@ -126,15 +139,60 @@ def attention_strategy(module: nn.Module, args, out) -> str:
     ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
     if any(WHOLE_WINDOWS_ATTR in t.__dict__ for t in outs):
         return "windows held whole (fewer windows than workers): the whole map on every worker"
+    flat = [positions(t)[0] for t in ins if positions(t) is not None]
+    if (flat and not any(isinstance(s, WindowGrid) for s in flat) and any(positions(t) is not None for t in outs)):
+        # Tokens flattened from a map stayed split through the module: its SDPA ran by ring passes
+        total = math.prod(flat[0])
+        extra = tokens_attention_bytes(module, ins, grid)
+        held = f" (ring buffers and score tiles {_bytes(extra)} per worker)" if extra else ""
+        return f"ring: keys and values of all {total} positions passed round the workers, one block at a time{held}"
     if any(positions(t) is not None and GATHER_ATTR in t.__dict__ for t in ins):
         return "gathered whole (attention between all positions): every token on every worker"
+    if global_attention.is_bottleneck(module) and ins and global_shape(ins[0]) is not None:
+        return _global_strategy(module, ins[0], grid)
     if any(global_shape(t) is not None or positions(t) is not None for t in outs):
         return "split: each worker its own windows (no keys from other workers)"
     return "replicated: its input was already whole on every worker (tokens gathered before it, or a small map)"
 
 
+def global_attention_bytes(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> int:
+    """What worker 0 holds for a global attention module's call beyond its activations (ring buffers and score
+    tiles, or gathered keys and scores: ``bigconv.ops.global_attention.extra_bytes``)."""
+    strategy = getattr(module, global_attention.STRATEGY_ATTR, "ring")
+    shape = global_shape(x)
+    block = math.prod(b - a for a, b in shard_box(shape, grid, (0,) * len(grid)))  # worker 0's: the largest
+    return global_attention.extra_bytes(strategy, x.shape[0] * module.num_heads, block, math.prod(shape), block,
+                                        module.dim_head_qk, module.dim_head_v, x.element_size())
+
+
+def tokens_attention_bytes(module: nn.Module, ins: list, grid: tuple[int, ...]) -> int:
+    """The ring's extra bytes on worker 0 for an attention module over tokens flattened from a map (timm's
+    ``Attention``: ``num_heads`` and ``head_dim``); 0 when the module does not say its heads."""
+    heads, dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    x = next((t for t in ins if positions(t) is not None), None)
+    if not isinstance(heads, int) or not isinstance(dim, int) or x is None:
+        return 0
+    shape = positions(x)[0]
+    block = math.prod(b - a for a, b in shard_box(shape, grid, (0,) * len(grid)))
+    batch = x.size(0) if positions(x)[1] % x.dim() != 0 else 1
+    return global_attention.extra_bytes("ring", batch * heads, block, math.prod(shape), block, dim, dim,
+                                        x.element_size())
+
+
+def _global_strategy(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> str:
+    """Ring or gathered attention over every position (``bigconv.ops.global_attention``), with what it holds."""
+    strategy = getattr(module, global_attention.STRATEGY_ATTR, "ring")
+    total, extra = math.prod(global_shape(x)), global_attention_bytes(module, x, grid)
+    if strategy == "gathered":
+        return (f"gathered: keys and values of all {total} positions on every worker ({_bytes(extra)} per worker for "
+                "them and the scores)")
+    return (f"ring: keys and values of all {total} positions passed round the workers, one block at a time "
+            f"(ring buffers and score tiles {_bytes(extra)} per worker)")
+
+
 def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...], dtype=torch.float32,
-                 attention: list | None = None) -> tuple[list[LayerRow], BaseException | None]:
+                 attention: list | None = None, attention_bytes: list | None = None
+                 ) -> tuple[list[LayerRow], BaseException | None]:
     """Dry-run ``model`` on ``shape`` over ``grid``; the windowed layers it ran, and the error it raised.
     ``attention``, if given, receives ``(module name, strategy)`` for every attention module called
     (a module whose class name says Attention or Attn)."""
@@ -143,11 +201,17 @@ def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...]
     seen: list[tuple[str, nn.Module, tuple, tuple, bool]] = []
     handles = []
     for name, module in planner.meta.named_modules():
-        kind = type(module).__name__.lower()
-        if attention is not None and ("attention" in kind or "attn" in kind):
+        if attention is not None and _is_attention(module) and not any(
+                _is_attention(m) for m in list(module.modules())[1:]):  # a block holding one: its attention is named
             def attn_hook(mod, args, out, name=name):
                 if threading.current_thread().name == "bigconv-dry-run-0":
-                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out)))
+                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out, grid)))
+                    if attention_bytes is not None and args and global_attention.is_bottleneck(mod):
+                        if global_shape(args[0]) is not None:
+                            attention_bytes.append(global_attention_bytes(mod, args[0], grid))
+                    elif attention_bytes is not None and attention[-1][2].startswith("ring"):
+                        ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+                        attention_bytes.append(tokens_attention_bytes(mod, ins, grid))
             handles.append(module.register_forward_hook(attn_hook))
         if windows(module, n) is not None or isinstance(module, nn.Linear):
             def hook(mod, args, out, name=name):
@@ -302,6 +366,16 @@ def estimate_memory(spec: str, shape: tuple[int, ...], workers: int, edges: tupl
         measured={str(e): p for e, p in zip(edges, peaks)})
 
 
+def memory_hint(error: str, edges) -> str:
+    """What to do when a small plain run of the memory estimate failed: a model built for one input size (timm's
+    img_size assertion) takes no other, larger edges would not help; other failures (BatchNorm on 1x1 maps) may."""
+    if "AssertionError" in error and ("doesn't match model" in error or "img_size" in error):
+        return (f"the model takes only the input size it was built for, so the estimate's plain runs at "
+                f"{' and '.join(str(e) for e in edges)} px cannot run: build it for any size (timm: "
+                "dynamic_img_size=True) or pass --no-memory")
+    return "try larger --memory-edges"
+
+
 def as_dict(obj) -> dict:
     return asdict(obj)
 
@@ -417,11 +491,14 @@ def check(args) -> dict:
     result = {"model": args.model, "input": list(shape), "workers": args.workers, "grid": list(grid)}
     model = build_model(args.model)
     try:
-        attention: list = []
-        rows, error = layer_report(model, shape, grid, attention=attention)
+        attention, attention_bytes = [], []
+        rows, error = layer_report(model, shape, grid, attention=attention, attention_bytes=attention_bytes)
     except ValueError as exc:
         rows, error = [], exc
     result["attention"] = [{"module": m, "type": t, "strategy": s} for m, t, s in attention]
+    # Global attention's ring buffers or gathered keys (worker 0, the largest of them): the plain runs' line
+    # through two small sizes does not see them (their scores grow with the square of the positions)
+    result["attention_bytes"] = max(attention_bytes, default=0)
     result["decomposable"] = error is None
     result["refusal"] = None if error is None else {"error": type(error).__name__, "message": str(error)}
     result["layers"] = [as_dict(r) for r in rows]
@@ -430,8 +507,9 @@ def check(args) -> dict:
     if not (args.no_memory or error):
         try:
             result["memory"] = as_dict(estimate_memory(args.model, shape, args.workers, args.memory_edges))
+            result["memory"]["per_process_bytes"] += result["attention_bytes"]
         except RuntimeError as exc:  # a small run the model cannot take (BatchNorm on 1x1 maps of one image)
-            result["memory"] = {"error": f"{exc}; try larger --memory-edges"}
+            result["memory"] = {"error": f"{exc}; {memory_hint(str(exc), args.memory_edges)}"}
     if args.no_exact or error:
         result["exactness"] = None
     else:
@@ -468,10 +546,16 @@ def report(r: dict) -> str:
                   "whole on every worker)"]
         for a in r.get("attention") or []:
             lines.append(f"  attention {a['module']} ({a['type']}): {a['strategy']}")
+        if r.get("attention_bytes"):
+            lines.append(f"  global attention holds up to {_bytes(r['attention_bytes'])} per worker beyond its "
+                         "activations (ring buffers or gathered keys; counted in the memory estimate below)")
         if share["compute"] < 0.5 or share["activations"] < 0.5:
             lines.append("WARNING: most of this model runs replicated on every worker (maps smaller than the grid, "
                          "tokens gathered whole for attention between all positions): more workers will not make it "
                          "fit or run faster; see docs/models.md")
+            if any(a["strategy"].startswith("replicated") for a in r.get("attention") or []):
+                lines.append("  (a ViT's class token, joined to the patch tokens, gathers them whole: a timm ViT built "
+                             "with class_token=False, global_pool='avg' attends over split tokens by ring attention)")
     m = r["memory"]
     if m and "error" in m:
         lines += ["", f"Memory: not estimated: {m['error'][-600:]}"]

@@ -53,7 +53,23 @@ def _held(kind: str, grid, replicas: int = 1, batch: int = 2):
     return run
 
 
+def _ring(grid, replicas: int = 1, batch: int = 2):
+    """timm's bottleneck attention split by ring passes (bigconv.ops.global_attention), not held."""
+    def run(world):
+        from issue37_models import TimmAttention
+
+        torch.manual_seed(0)
+        model = TimmAttention("bottleneck").double()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, 1, 12, 12, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (batch,), generator=g)
+        return compare(model, world, x, y, nn.CrossEntropyLoss(), grid=grid, replicas=replicas)
+    return run
+
+
 CASES = {
+    "ring/bottleneck/(2,2)": _ring((2, 2)),
+    "ring/bottleneck/R2/(2,1)": _ring((2, 1), 2, batch=4),
     "held/swin/(2,2)": _held("swin", (2, 2)),
     "held/halo/R2/(2,1)": _held("halo", (2, 1), 2, batch=4),
     "held/bottleneck/(1,4)": _held("bottleneck", (1, 4)),

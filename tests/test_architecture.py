@@ -80,7 +80,7 @@ SUBLAYERS = {
     "bigconv.spmd": [["bigconv.spmd.agreement", "bigconv.spmd.native"], ["bigconv.spmd.model"], ["bigconv.spmd"]],
     "bigconv.harness": [
         ["bigconv.harness.cli", "bigconv.harness.model_spec", "bigconv.harness.recorder", "bigconv.harness.records",
-         "bigconv.harness.registry", "bigconv.harness.shard_profile"],
+         "bigconv.harness.registry", "bigconv.harness.shard_profile", "bigconv.harness.attention_cost"],
         ["bigconv.harness.workload", "bigconv.harness.devices", "bigconv.harness.op_table"],
         ["bigconv.harness.spmd_workload", "bigconv.harness.cost_model"],
         ["bigconv.harness.runner", "bigconv.harness.plan_search"],

@@ -52,3 +52,39 @@ def test_swin_windows_and_cnn_reported_split():
     assert swin["compute"] > 0.85 and swin["activations"] > 0.9 and swin["replicated_layers"] == 5, swin
     _, cnn = _share(_timm("resnet18"), (1, 3, 64, 64))
     assert cnn["compute"] > 0.95 and cnn["replicated_layers"] <= 2, cnn
+
+
+@pytest.mark.timeout(300)
+def test_botnet_attention_named_ring_with_its_buffers_counted():
+    """botnet's global MHSA runs by ring attention (bigconv.ops.global_attention): check names it, and the bytes of
+    its ring buffers and score tiles (a gathered form: whole keys and scores, more) reach the memory estimate."""
+    from bigconv.ops.global_attention import use
+
+    for strategy in ("ring", "gathered"):
+        attention, extra = [], []
+        model = _timm("botnet26t_256")
+        if strategy == "gathered":
+            use(model, "gathered")
+        rows, error = layer_report(model, (1, 3, 256, 256), (2, 2), attention=attention, attention_bytes=extra)
+        assert error is None, error
+        assert {t for _, t, _ in attention} == {"BottleneckAttn"}, attention  # not the SelfAttnBlocks holding them
+        named = {n: s for n, t, s in attention if t == "BottleneckAttn"}
+        assert len(named) == 3 and all(s.startswith(f"{strategy}:") for s in named.values()), named
+        assert split_share(rows)["compute"] > 0.95
+        # the largest: stages.3.0, a 16x16 map, 8x8 per worker, 4 heads of 128 dims, float32; ring: two blocks
+        # of 64 keys and values with their gradients, two 64x64 score tiles; gathered: 256 keys and values,
+        # two 64x256 score matrices
+        assert max(extra) == (4 * 4 * (2 * 64 * 2 * 256 + 2 * 64 * 64) if strategy == "ring"
+                              else 4 * 4 * (256 * 256 + 2 * 64 * 256)), extra
+
+
+def test_memory_hint_for_a_model_built_for_one_size():
+    """A ViT built for 1024 px fails the estimate's plain runs at 128 px on timm's size assertion: larger
+    --memory-edges would not help (the old hint), a model built for any size would."""
+    from bigconv.check import memory_hint
+
+    timm_error = "AssertionError: Input height (128) doesn't match model (1024)."
+    assert "dynamic_img_size=True" in memory_hint(timm_error, (128, 256)) and "larger" not in memory_hint(
+        timm_error, (128, 256))
+    other = "Expected more than 1 value per channel when training"
+    assert memory_hint(other, (128, 256)) == "try larger --memory-edges"

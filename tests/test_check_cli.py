@@ -47,13 +47,13 @@ def test_a_decomposable_zoo_model_reports_layers_memory_and_exactness():
 
 
 def test_a_refused_zoo_model_names_module_op_and_fix():
-    done = run_check("timm:botnet26t_256", "--input", "1x3x256x256", "--workers", "4", "--json")
+    done = run_check("timm:lambda_resnet26t", "--input", "1x3x256x256", "--workers", "4", "--json")
     assert done.returncode == 1, done.stderr[-3000:]
     r = json.loads(done.stdout)
     assert not r["decomposable"] and r["memory"] is None and r["exactness"] is None
     msg = r["refusal"]["message"]
-    assert "BottleneckAttn" in msg and "reshape" in msg and "AdaptiveAvgPool2d(1)" in msg  # module, op, fix
-    assert "Decomposable: NO" in report(r) and "BottleneckAttn" in report(r)
+    assert "LambdaLayer" in msg and "reshape" in msg and "AdaptiveAvgPool2d(1)" in msg  # module, op, fix
+    assert "Decomposable: NO" in report(r) and "LambdaLayer" in report(r)
 
 
 def test_bad_arguments_name_the_fix():

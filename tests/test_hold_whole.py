@@ -74,10 +74,14 @@ def test_swin_unetr_2d_encoder_held_whole(world):
 @pytest.mark.world(4)
 @pytest.mark.timeout(120)
 def test_global_attention_refused_with_the_fix(refused_before_remote_work):
-    """Window attention is split by the rules now (tests/test_attention_windows.py); botnet's global MHSA
-    is still refused, naming this fix."""
-    refused_before_remote_work(TimmAttention("bottleneck").double(), ["BottleneckAttn", "bigconv.hold_whole(model, "
-                                                                      "BottleneckAttn)"], shape=(2, 1, 12, 12))
+    """Window attention and botnet's global MHSA are split by the rules now (tests/test_attention_windows.py,
+    tests/test_ring_attention.py); timm's lambda layer (positions reshaped with the heads) is still refused,
+    naming this fix."""
+    from timm.layers.lambda_layer import LambdaLayer
+
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), LambdaLayer(8, 8, num_heads=2, dim_head=4, r=3))
+    refused_before_remote_work(model.double(), ["LambdaLayer", "bigconv.hold_whole(model, LambdaLayer)"],
+                               shape=(2, 1, 12, 12))
 
 
 @pytest.mark.world(4)

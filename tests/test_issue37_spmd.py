@@ -1,4 +1,5 @@
-"""SyncBatchNorm, several outputs, torch.roll and modules held whole in the SPMD mode, against one process (issue 37).
+"""SyncBatchNorm, several outputs, torch.roll, modules held whole and ring attention in the SPMD mode, against one
+process (issue 37).
 
 One spawn of 4 gloo ranks runs every case of ``tests/spmd_issue37.py`` (hard timeout); each test then
 checks its case on every rank: every output, the input gradient, every parameter gradient, the

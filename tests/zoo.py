@@ -572,8 +572,13 @@ ZOO: list[ZooEntry] = [
        (1, 3, 112, 112), 4, (2, 2), note="img_size=112; PatchMerging's reshape re-sharded by whole 2x2 blocks"),
     _e("timm/swinv2_tiny_window8_256", "swin", timm_model("swinv2_tiny_window8_256", img_size=128),
        (1, 3, 128, 128), 4, (2, 2), note="img_size=128"),
-    _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 2, (2, 1),
-       expect="refused", reason=ATTENTION, match=r"self_attn|BottleneckAttn", note="img_size=64"),
+    _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 4, (2, 2),
+       note="img_size=64; BottleneckAttn over all positions of its 4x4 and 2x2 maps by ring attention, relative "
+       "positions global (bigconv.ops.global_attention)"),
+    _e("timm/vit_small_patch16_224_gap", "vit", timm_model("vit_small_patch16_224", img_size=64, depth=2,
+                                                          class_token=False, global_pool="avg"),
+       (2, 3, 64, 64), 4, (2, 2), note="img_size=64, depth=2, class_token=False, global_pool='avg': its blocks' SDPA "
+       "over 4x4 patch tokens by ring attention, the position embedding cut per shard"),
     # -- segmentation_models_pytorch -----------------------------------------------------------------
     _e("smp/Unet", "unet", smp_model("Unet", encoder_depth=3, decoder_channels=(16, 8, 8)), (2, 3, 64, 64), 2,
        (2, 1), dense=True, fast=True, note="resnet18 encoder, depth 3"),

@@ -24,7 +24,7 @@ from ..geometry.boxes import all_coords, shard_box
 from ..ops.shards import ModulePath, global_shape, global_size, mark, tree_flatten
 from ..ops.mode import ShardMode
 from ..ops.sync_norm import adopt as adopt_sync_batchnorm
-from ..ops import whole
+from ..ops import global_attention, whole
 from ..transport import Mailbox, WorkerFailure, WorkerRuntime
 from ..transport.rpc import LocalLink
 
@@ -121,6 +121,7 @@ def check_shapes(meta: nn.Module, planned: list, x_shape: tuple[int, ...], dtype
     """Compare the shapes the shards planned, layer by layer, with one process's shape arithmetic (on
     meta tensors, no data); a difference is a bug in bigconv's rules, never a silent plan."""
     model = copy.deepcopy(meta).train(training)
+    global_attention.install(model)  # the submodules the shards call (no PosEmbedRel call)
     single: list = []
     _record_shapes(model, single)
     with torch.enable_grad(), torch.device("meta"), MetaOnly(ModulePath(model)):
@@ -153,6 +154,7 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
         model = copy.deepcopy(meta).train(training)
         path = ModulePath(model)
         whole.install(model)  # after the path's hooks, as on the workers
+        global_attention.install(model)
         if index == 0:
             _record_shapes(model, planned)
         box = shard_box(spatial, grid, coords[index])

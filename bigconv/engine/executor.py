@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -169,6 +170,8 @@ class ShardExecutor(Executor):
         self.link = rt.link
         self.replicas, self.replica_link = self.rt.replicas, self.rt.replica_link
         self.coord = coord_of(self.rt.index, grid)
+        self.ring_passes: bool = getattr(self.link, "ring_in_backward", True)
+        """Whether ``ring`` may run in backward on this link (not under the rpc transport's distributed autograd)."""
         self.exchange = 0
         self.recorders: list[dict] = []
         """Caches that keep what this forward receives, for a checkpointed block's recompute."""
@@ -333,6 +336,20 @@ class ShardExecutor(Executor):
                                  link=self.replica_link)
         arrived = iter(self._finish(started, f"{what} {key[1]} of call {key[0]} across replicas"))
         return [t if i == me else next(arrived) for i in range(self.replicas)]
+
+    def ring(self, x: torch.Tensor, arriving: Sequence[int], what: str = "ring pass") -> torch.Tensor:
+        """One pass of a ring in worker order: ``x`` goes to the next shard, the previous shard's tensor (of
+        shape ``arriving``) comes back. Not differentiable: ring attention (``bigconv.ops.global_attention``)
+        calls it inside its own autograd Function, forward and backward, every shard in the same order."""
+        n = math.prod(self.grid)
+        if n == 1:
+            return x
+        me = index_of(self.coord, self.grid)
+        key = self._next_key()
+        with torch.no_grad():
+            _, started = self._start(x.detach().contiguous(), key, [((me + 1) % n, None)],
+                                     [((me - 1) % n, tuple(arriving))])
+            return self._finish(started, f"{what} {key[1]} of call {key[0]}")[0]
 
     def allsum(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every shard's ``partial``, in worker order so all replicas agree bit for bit."""

@@ -26,7 +26,7 @@ from ..ops.mode import ShardMode
 from ..ops.random import RandomDraws
 from ..ops.shards import ModulePath, mark
 from ..ops.sync_norm import adopt as adopt_sync_batchnorm
-from ..ops import whole
+from ..ops import global_attention, whole
 from ..transport import WorkerFailure, WorkerRuntime, check_wire
 from .buckets import GradBuckets, lost_rank_wait
 from .executor import ShardExecutor
@@ -49,6 +49,7 @@ class ShardEngine:
         self.model = adopt_sync_batchnorm(model.to(rt.device))
         self.path = ModulePath(self.model)
         whole.install(self.model)  # after the path's hooks: modules held whole (bigconv.ops.whole)
+        global_attention.install(self.model)  # timm BottleneckAttn: ring attention (bigconv.ops.global_attention)
         # torch.compile of the whole shard forward: dynamo compiles what it can trace and runs the rest
         # (the ShardMode's rules, halo exchanges) eagerly; the module, its names and hooks stay the plain one.
         self.run = torch.compile(self.model) if compile else self.model

@@ -38,6 +38,8 @@ class Executor(Protocol):
     """This shard's coordinate in ``grid``."""
     replicas: int
     """Data-parallel replicas of the whole grid (1 without data parallelism)."""
+    ring_passes: bool
+    """Whether ``ring`` may run inside an autograd Function's backward on this transport."""
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
 
@@ -52,6 +54,8 @@ class Executor(Protocol):
                   ) -> list[torch.Tensor]: ...
 
     def across_replicas(self, t: torch.Tensor, what: str) -> list[torch.Tensor]: ...
+
+    def ring(self, x: torch.Tensor, arriving: Sequence[int], what: str = ...) -> torch.Tensor: ...
 
     def gather_all(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor: ...
 

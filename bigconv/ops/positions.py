@@ -97,9 +97,10 @@ def _pointwise(mode: RuleContext, func, args, kwargs):
     full = {}
     for t in leaves:
         if isinstance(t, torch.Tensor) and positions(t) is None and t.dim() >= -dim and t.shape[dim] != 1:
-            if t.shape[dim] != _count(shape) or not isinstance(shape, WindowGrid):
+            if t.shape[dim] != _count(shape):
                 raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
-            # As long as every position (Swin's shifted-window mask, a row per window): this shard's part
+            # As long as every position, in one process's order (Swin's shifted-window mask, a row per window;
+            # a ViT's position embedding over its patch tokens): this shard's part
             full[id(t)] = local_windows(mode, t, shape, dim)
     if full:
         args, kwargs = _swap((args, kwargs), full)

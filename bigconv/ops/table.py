@@ -10,9 +10,11 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, positions, random, reduce, roll, subpixel, window, windows
+import torch.nn.functional as F
 
-MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows)
+from . import global_attention, layout, norm, positions, random, reduce, roll, subpixel, window, windows
+
+MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, global_attention)
 
 
 def _merge(name: str) -> Mapping:
@@ -37,6 +39,10 @@ PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
 """Rules for tensor attributes (``x.shape``), by name."""
 LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 """Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
-POSITION_RULES: Mapping[Callable, Callable] = _merge_from((positions, windows), "POSITION_RULES")
+_POSITIONS = dict(_merge_from((positions, windows), "POSITION_RULES"))
+# SDPA over positions in its sequence dim is global attention (ring passes); in a batch dim, windows'.
+_POSITIONS[F.scaled_dot_product_attention] = global_attention.over_positions(
+    _POSITIONS[F.scaled_dot_product_attention])
+POSITION_RULES: Mapping[Callable, Callable] = MappingProxyType(_POSITIONS)
 """Rules for calls given an image's positions flattened into one dim (``bigconv.ops.positions``)."""
 POSITION_PROPERTY_RULES: Mapping[str, Callable] = MappingProxyType(dict(positions.POSITION_PROPERTY_RULES))

@@ -123,6 +123,9 @@ class P2PLink:
     ``ranks[i]`` is the global rank of shard ``i``; every tensor on the wire lies on ``device``.
     """
 
+    ring_in_backward = True
+    """Exchanges may run inside an autograd Function's backward (ring attention's passes)."""
+
     def __init__(self, group, ranks: Sequence[int], index: int, timeout: float, stats: dict, *,
                  device: torch.device | str = "cpu", tag_free: bool = False) -> None:
         self.group, self.ranks, self.index = group, list(ranks), index

@@ -96,6 +96,10 @@ class RpcLink:
     """Pushes every part at ``start`` into the receivers' mailboxes (``mailboxes``: every shard's, as
     RRefs, in shard order); ``finish`` takes the arrivals from this shard's own."""
 
+    ring_in_backward = False
+    """Exchanges inside an autograd Function's backward (ring attention's passes) stall under distributed
+    autograd (seen as a 60 s RPC timeout in backward); ring attention gathers instead on this link."""
+
     def __init__(self, rt: WorkerRuntime, mailboxes: Sequence[rpc.RRef]) -> None:
         self.rt = rt
         self.mailboxes = list(mailboxes)
@@ -118,6 +122,8 @@ class RpcLink:
 class LocalLink(RpcLink):
     """The dry run's link: shards are threads of one process, so a push puts the piece straight into
     the receiver's ``Mailbox``."""
+
+    ring_in_backward = True  # threads of one process, local autograd
 
     def __init__(self, rt: WorkerRuntime, mailboxes: Sequence[Mailbox]) -> None:
         super().__init__(rt, [])

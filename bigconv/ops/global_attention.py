@@ -1,0 +1,363 @@
+"""Global attention over every position of a sharded map, exact on shards: ring passes or a gather.
+
+``softmax(scale * q kᵀ + bias) v`` whose keys span all positions of an image cannot be cut by
+positions: every query reads every key. Two exact ways, both here:
+
+- **ring** (the default): each shard keeps its queries and sends its block of keys and values
+  round the shards in worker order, ``P - 1`` passes; each shard folds every block it sees into a
+  running maximum, sum of exponentials and weighted sum of values (the online softmax of ring and
+  flash attention), and divides once at the end. Its backward (``_RingAttention.backward``) runs
+  the ring again from the saved log-sum-exp, the blocks' key and value gradients travelling with
+  them, and one more pass takes them home: ``P`` passes. A shard holds its own keys plus one block
+  in flight and a ``queries x block`` score tile, never the whole image's keys.
+- **gathered**: every shard gathers the whole image's keys and values (``executor.allgather``, whose
+  backward returns each shard's gradient to the owners) and runs plain attention on them: one
+  exchange, but ``N x d`` keys and a ``queries x N`` score matrix per shard.
+
+Relative position embeddings (timm's botnet ``PosEmbedRel``) see *global* positions: the bias of a
+query at global coordinate ``i`` and a key at ``j`` is, per spatial axis ``a``, ``q · rel_a[j_a − i_a
++ S_a − 1]``; the tables ``q @ rel_aᵀ`` (queries × ``2 S_a − 1``) are computed per shard and the bias
+of each block is gathered from them by the block's global coordinates (``shard_box`` of its owner).
+
+Entry points: ``attend_map(q, k, v, heads, scale, rel)`` (a torch-function-dispatched call, so the
+``ShardMode`` sends it to ``_attend_map_rule`` when ``q`` is sharded; one process runs it as it is),
+which ``install`` routes timm's ``BottleneckAttn`` to on a shard; and the positions rule for
+``F.scaled_dot_product_attention`` whose sequence dim holds an image's flattened positions
+(``x.flatten(2).transpose(1, 2)``). A causal or masked call is refused: the flattened order of a
+shard's positions is its own, so a causal mask over them has no meaning the shards share.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ..geometry.boxes import all_coords, index_of, shard_box
+from .context import RuleContext
+from .shards import bind, global_shape, mark, mark_positions, positions
+
+STRATEGY_ATTR = "_bigconv_attention"
+"""Set on a module (``use``) to choose how its global attention runs: ``ring`` or ``gathered``."""
+STRATEGIES = ("ring", "gathered")
+
+
+def use(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
+    """Run every global attention module of ``model`` (timm ``BottleneckAttn``) with ``strategy``
+    (``ring`` or ``gathered``); returns ``model``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"attention strategy {strategy!r} is not one of {STRATEGIES}")
+    found = [m for m in model.modules() if is_bottleneck(m)]
+    if not found:
+        raise ValueError("the model holds no global attention module bigconv splits (timm BottleneckAttn)")
+    for m in found:
+        setattr(m, STRATEGY_ATTR, strategy)
+    return model
+
+
+def extra_bytes(strategy: str, heads_batch: int, queries: int, total: int, block: int, dq: int, dv: int,
+                itemsize: int) -> int:
+    """What one shard holds for its global attention beyond its own q, k, v and output, at its peak: the ring's
+    blocks in flight (sent and received, with their key and value gradients in backward) and one ``queries x
+    block`` score tile with its probabilities; or the gathered form's whole keys and values and its
+    ``queries x total`` scores and probabilities (both kept for backward)."""
+    g = heads_batch
+    if strategy == "gathered":
+        return itemsize * g * (total * (dq + dv) + 2 * queries * total)
+    return itemsize * g * (2 * block * 2 * (dq + dv) + 2 * queries * block)
+
+
+# -- the blocks' geometry ---------------------------------------------------------------------------
+def block_coords(shape: Sequence[int], grid: Sequence[int], coord: Sequence[int], device) -> list[torch.Tensor]:
+    """Per spatial axis, the global coordinate of each of shard ``coord``'s positions, flattened row-major
+    (the order of ``x.reshape(..., -1)`` of its part)."""
+    box = shard_box(shape, grid, coord)
+    axes = [torch.arange(a, b, device=device) for a, b in box]
+    mesh = torch.meshgrid(*axes, indexing="ij") if len(axes) > 1 else axes
+    return [m.reshape(-1) for m in mesh]
+
+
+def _bias(tables: Sequence[torch.Tensor], qc: list, kc: list, shape: Sequence[int]) -> torch.Tensor | None:
+    """The relative position bias of queries at ``qc`` and keys at ``kc``, from the tables ``q @ rel_aᵀ``."""
+    out = None
+    for t, a, b, n in zip(tables, qc, kc, shape):
+        idx = (b[None, :] - a[:, None] + (n - 1)).expand(t.shape[0], -1, -1)
+        term = t.gather(-1, idx)
+        out = term if out is None else out + term
+    return out
+
+
+def _scores(q, k, scale, tables, qc, kc, shape):
+    s = (q @ k.transpose(-1, -2)) * scale
+    bias = _bias(tables, qc, kc, shape)
+    return s if bias is None else s + bias
+
+
+class RingPlan:
+    """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
+
+    def __init__(self, ctx, shape: Sequence[int], scale: float, device) -> None:
+        """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``."""
+        self.ctx, self.shape, self.scale = ctx, tuple(shape), scale
+        self.grid = tuple(ctx.executor.grid)
+        self.coords = list(all_coords(self.grid))
+        self.index = index_of(ctx.executor.coord, self.grid)
+        self.size = len(self.coords)
+        self.counts = [math.prod(b - a for a, b in shard_box(shape, self.grid, c)) for c in self.coords]
+        self.device = device
+
+    def coords_of(self, j: int) -> list[torch.Tensor]:
+        return block_coords(self.shape, self.grid, self.coords[j], self.device)
+
+    def pass_on(self, parts: list[torch.Tensor], src: int, widths: list[int]) -> list[torch.Tensor]:
+        """Send ``parts`` (the block of shard ``src``) to the next shard; the previous shard's block (of
+        shard ``src - 1``) arrives, cut into parts of ``widths`` features per position."""
+        new = (src - 1) % self.size
+        lead = parts[0].shape[0]
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        n = self.counts[new]
+        got = self.ctx.executor.ring(flat, (lead * n * sum(widths),), "ring attention block")
+        out, at = [], 0
+        for w in widths:
+            out.append(got[at:at + lead * n * w].view(lead, n, w))
+            at += lead * n * w
+        return out
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact attention of this shard's queries over every shard's keys by ring passes (module doc)."""
+
+    @staticmethod
+    def forward(ctx, plan: RingPlan, q, k, v, *tables):
+        qc = plan.coords_of(plan.index)
+        kb, vb, src = k, v, plan.index
+        top = acc = total = None
+        for step in range(plan.size):
+            s = _scores(q, kb, plan.scale, tables, qc, plan.coords_of(src), plan.shape)
+            m = s.amax(-1, keepdim=True)
+            if top is None:
+                top = m
+                p = torch.exp(s - top)
+                total, acc = p.sum(-1, keepdim=True), p @ vb
+            else:
+                new = torch.maximum(top, m)
+                fix, p = torch.exp(top - new), torch.exp(s - new)
+                total = total * fix + p.sum(-1, keepdim=True)
+                acc = acc * fix + p @ vb
+                top = new
+            del s, p
+            if step < plan.size - 1:
+                kb, vb = plan.pass_on([kb, vb], src, [k.shape[-1], v.shape[-1]])
+                src = (src - 1) % plan.size
+        out = acc / total
+        lse = top + torch.log(total)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse, *tables)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        plan: RingPlan = ctx.plan
+        q, k, v, out, lse, *tables = ctx.saved_tensors
+        qc = plan.coords_of(plan.index)
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        dtables = [torch.zeros_like(t) for t in tables]
+        kb, vb, src = k, v, plan.index
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        widths = [k.shape[-1], v.shape[-1], k.shape[-1], v.shape[-1]]
+        for step in range(plan.size):
+            kc = plan.coords_of(src)
+            p = torch.exp(_scores(q, kb, plan.scale, tables, qc, kc, plan.shape) - lse)
+            dv = dv + p.transpose(-1, -2) @ dout
+            ds = p * (dout @ vb.transpose(-1, -2) - delta)
+            del p
+            dq = dq + (ds @ kb) * plan.scale
+            dk = dk + (ds.transpose(-1, -2) @ q) * plan.scale
+            for dt, a, b, n in zip(dtables, qc, kc, plan.shape):
+                dt.scatter_add_(-1, (b[None, :] - a[:, None] + (n - 1)).expand(ds.shape[0], -1, -1), ds)
+            del ds
+            if step < plan.size - 1:  # the block moves on with its gradients so far
+                kb, vb, dk, dv = plan.pass_on([kb, vb, dk, dv], src, widths)
+                src = (src - 1) % plan.size
+        if plan.size > 1:  # the block here is the next shard's: its gradients go home, one more pass
+            dk, dv = plan.pass_on([dk, dv], src, widths[2:])
+        return (None, dq, dk, dv, *dtables)
+
+
+def _gathered(plan: RingPlan, q, k, v, tables):
+    """Every shard's keys and values gathered (differentiably), then plain attention."""
+    kv = torch.cat([k, v], -1)
+    parts = plan.ctx.executor.allgather(kv, "keys and values of global attention",
+                         [(kv.shape[0], n, kv.shape[-1]) for n in plan.counts])
+    whole = torch.cat(parts, 1)
+    ks, vs = whole[..., :k.shape[-1]], whole[..., k.shape[-1]:]
+    kc = [torch.cat(c) for c in zip(*(plan.coords_of(j) for j in range(plan.size)))]
+    s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape)
+    return torch.softmax(s, -1) @ vs
+
+
+def attend(plan: RingPlan, q, k, v, tables=(), strategy: str = "ring") -> torch.Tensor:
+    """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys."""
+    if strategy == "gathered" or not plan.ctx.executor.ring_passes:  # the rpc transport: gathered (ring_in_backward)
+        return _gathered(plan, q, k, v, tables)
+    return _RingAttention.apply(plan, q, k, v, *tables)
+
+
+# -- a map's attention: timm BottleneckAttn ---------------------------------------------------------
+def attend_map(q, k, v, heads: int, scale: float, rel: Sequence[torch.Tensor] = (), scale_rel: bool = False,
+               strategy: str = "ring"):
+    """Multi-head attention over every position of maps ``q``, ``k``, ``v`` of shape ``(B, heads * d,
+    *spatial)``, with relative position tables ``rel`` (one ``(2 S_a - 1, d)`` per spatial axis, timm's
+    ``PosEmbedRel``; ``scale_rel``: scale them with the keys' logits). Returns ``(B, heads * dv,
+    *spatial)``. On shards, the ``ShardMode`` sends this call to ``_attend_map_rule``."""
+    tensors = (q, k, v, *rel)
+    if has_torch_function(tensors):
+        return handle_torch_function(attend_map, tensors, q, k, v, heads, scale, rel, scale_rel, strategy)
+    shape = tuple(q.shape[2:])
+    return _map_attention(Alone(len(shape)), q, k, v, heads, scale, rel, scale_rel, strategy, shape)
+
+
+def _map_attention(ctx, q, k, v, heads, scale, rel, scale_rel, strategy, shape):
+    b, spatial = q.shape[0], tuple(q.shape[2:])
+    g = b * heads
+
+    def flat(t):
+        return t.reshape(g, t.shape[1] // heads, -1).transpose(-1, -2)
+
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    tables = [qf @ r.transpose(-1, -2) for r in rel]
+    if scale_rel:
+        tables = [t * scale for t in tables]
+    plan = RingPlan(ctx, shape, scale, q.device)
+    out = attend(plan, qf, kf, vf, tables, strategy)
+    return out.transpose(-1, -2).reshape(b, -1, *spatial)
+
+
+class OneShard:
+    """One process's executor: a grid of one shard, no exchange."""
+
+    ring_passes = True
+
+    def __init__(self, dims: int) -> None:
+        self.grid, self.coord = (1,) * dims, (0,) * dims
+
+    def ring(self, x, arriving, what=""):
+        return x
+
+    def allgather(self, partial, what="", shapes=None):
+        return [partial]
+
+
+class Alone:
+    """One process's stand-in for the mode: what ``RingPlan`` reads of it."""
+
+    def __init__(self, dims: int) -> None:
+        self.executor = OneShard(dims)
+
+
+def _attend_map_rule(mode: RuleContext, func, args, kwargs):
+    b = bind(("q", "k", "v", "heads", "scale", "rel", "scale_rel", "strategy"), args, kwargs)
+    q, k, v = b["q"], b["k"], b["v"]
+    shape = mode.one_shape(func, [q, k, v])
+    if any(global_shape(t) is None for t in (q, k, v)):
+        raise mode.unsupported(func, "its query, key and value are not all sharded maps", FIX)
+    out = _map_attention(mode, q, k, v, b["heads"], b["scale"], b.get("rel", ()), b.get("scale_rel", False),
+                         b.get("strategy", "ring"), shape)
+    return mark(out, shape)
+
+
+FIX = ("Global attention is split for timm's BottleneckAttn and for F.scaled_dot_product_attention over an "
+       "image's flattened positions without a mask, causal flag or dropout")
+
+
+# -- timm BottleneckAttn on a shard -------------------------------------------------------------------
+def is_bottleneck(module: torch.nn.Module) -> bool:
+    """timm's ``BottleneckAttn`` (botnet): known by its parts, so timm need not be imported."""
+    return (type(module).__name__ == "BottleneckAttn" and hasattr(module, "qkv")
+            and hasattr(getattr(module, "pos_embed", None), "height_rel"))
+
+
+def install(model: torch.nn.Module) -> None:
+    """On a shard's copy of ``model``: timm ``BottleneckAttn`` modules run ``attend_map`` (ring passes by
+    default); a module held whole (``bigconv.hold_whole``) keeps its own forward."""
+    for m in model.modules():
+        if is_bottleneck(m) and not getattr(m, "_bigconv_hold_whole", False):
+            m.forward = functools.partial(_bottleneck_forward, m)
+
+
+def _bottleneck_forward(m, x):
+    """timm's forward, its attention by ``attend_map``; on a whole map too (replicated, or the dry run's
+    one-process shape check), so that every copy calls the same submodules."""
+    _, _, h, w = x.shape  # global sizes, answered by the mode
+    if (h, w) != (m.pos_embed.height, m.pos_embed.width):
+        raise ValueError(f"{type(m).__name__} was built for a {m.pos_embed.height}x{m.pos_embed.width} map but got "
+                         f"{h}x{w} (the global map); build it with feat_size=({h}, {w})")
+    y = m.qkv(x)
+    q, k, v = torch.split(y, [m.dim_out_qk, m.dim_out_qk, m.dim_out_v], dim=1)
+    rel = (m.pos_embed.height_rel, m.pos_embed.width_rel)
+    out = attend_map(q, k, v, m.num_heads, m.scale, rel, m.scale_pos_embed, getattr(m, STRATEGY_ATTR, "ring"))
+    return m.pool(out)
+
+
+# -- F.scaled_dot_product_attention over flattened positions -------------------------------------------
+def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
+    """``F.scaled_dot_product_attention`` whose sequence dim (-2) holds an image's flattened positions, in q,
+    k and v alike: ring attention, the output's positions where the queries' are. ``refuse(reason)``:
+    the caller's refusal."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    b = bind(names, args, kwargs)
+    q, k, v = b["query"], b["key"], b["value"]
+    if b.get("is_causal"):
+        raise refuse("it is causal: a causal mask follows the flattened order of the positions, which is each "
+                     "shard's own, not one process's (no ring or gather can reproduce it)")
+    if b.get("attn_mask") is not None:
+        raise refuse("it has an attention mask: a mask over an image's flattened positions is not split over "
+                     "shards (drop the mask, or hold the module whole with bigconv.hold_whole)")
+    if b.get("dropout_p", 0.0):
+        raise refuse("its attention dropout would be drawn per shard (set dropout_p=0)")
+    if b.get("enable_gqa"):
+        raise refuse("grouped-query attention (enable_gqa) is not split")
+    if q.dim() < 3 or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
+        raise refuse("its query, key and value differ in their batch dims")
+    shape = positions(q)[0]
+    if isinstance(shape, tuple) and hasattr(shape, "lead") and shape.lead != 1:
+        raise refuse("its positions are windows merged with the batch")
+    lead = q.shape[:-2]
+    g = math.prod(lead)
+    scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    plan = RingPlan(mode, tuple(shape), scale, q.device)
+    out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]))
+    return mark_positions(out.reshape(*lead, *out.shape[-2:]), shape, -2)
+
+
+def over_positions(inner):
+    """The positions rule of ``F.scaled_dot_product_attention``: ``sdpa_over_positions`` when q, k and v hold
+    an image's flattened positions in their sequence dim (-2), else ``inner`` (window attention, whose
+    windows are a batch dim: ``bigconv.ops.windows``). ``bigconv.ops.table`` puts it in place of ``inner``."""
+
+    def rule(mode: RuleContext, func, args, kwargs):
+        b = bind(("query", "key", "value"), args, kwargs)
+        marks = [positions(t) for t in (b.get("query"), b.get("key"), b.get("value"))]
+        tensors = (b["query"], b["key"], b["value"])
+        if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)):
+            if len({m[0] for m in marks}) != 1:
+                raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)
+
+            def refuse(reason):
+                return mode.unsupported(func, f"it attends over an image's flattened positions and {reason}", FIX)
+
+            return sdpa_over_positions(mode, func, args, kwargs, refuse)
+        return inner(mode, func, args, kwargs)
+
+    return rule
+
+
+RULES: dict = {attend_map: _attend_map_rule}
+WHOLE_RULES: dict = {}
+LAYOUT_AWARE: set = set()
+PROPERTY_RULES: dict = {}

@@ -1,0 +1,255 @@
+"""Global attention over every position of a sharded map (issue 37, item 4): ring passes and a gather.
+
+The op (``bigconv.ops.global_attention``) first on its own, each shard a thread of this process
+exchanging through the dry run's in-process link (``LocalLink``) on real float64 tensors: its
+adjoint (attention is linear in the values; ``<A v, w> = <v, Aᵀ w>`` where ``Aᵀ`` is the ring's
+backward, whose key and value gradients travel with their blocks and take one more pass home), and
+its forward and every gradient (queries, keys, values, the relative position tables) against one
+process on uneven shards. Then models on a live World against one process in float64 (the
+verdict of ``bigconv.verify.compare_training``): timm's bottleneck attention with its relative
+position embedding on an uneven 2x2 grid, ring and gathered; ``F.scaled_dot_product_attention``
+over an image's flattened positions; causal and masked calls refused before remote work. timm
+``botnet26t_256`` itself is a ``zoo`` case. A failure points at ``_RingAttention`` (its running
+maximum, the backward's passes), at ``_bias`` (global coordinates of a block) or at the routing
+(``install``, ``over_positions``).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from verdicts import assert_exact
+
+from bigconv.check import layer_report
+from bigconv.compat import allow_torchvision_without_ops
+from bigconv.engine.executor import ShardExecutor
+from bigconv.geometry.boxes import all_coords
+from bigconv.ops.global_attention import Alone, RingPlan, attend, block_coords, use
+from bigconv.transport import Mailbox, WorkerRuntime
+from bigconv.transport.rpc import LocalLink
+from bigconv.verify import compare_training
+
+allow_torchvision_without_ops()  # before timm
+
+
+def on_threads(grid, fn):
+    """``fn(executor, index)`` on every shard of ``grid``, each a thread with the in-process link."""
+    coords = list(all_coords(grid))
+    boxes = [Mailbox() for _ in coords]
+    out, errors = [None] * len(coords), []
+
+    def shard(i):
+        rt = WorkerRuntime(index=i, workers=len(coords), device=torch.device("cpu"), timeout=60.0, mailbox=boxes[i])
+        rt.link = LocalLink(rt, boxes)
+        try:
+            out[i] = fn(ShardExecutor(tuple(grid), 1, rt), i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            for b in boxes:
+                b.abort(f"shard {i} failed")
+
+    threads = [threading.Thread(target=shard, args=(i,)) for i in range(len(coords))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _problem(shape, g=3, d=4, dv=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    q, k = (torch.randn(g, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(g, n, dv, generator=gen, dtype=torch.float64)
+    tables = [torch.randn(g, n, 2 * s - 1, generator=gen, dtype=torch.float64) for s in shape]
+    w = torch.randn(g, n, dv, generator=gen, dtype=torch.float64)
+    return q, k, v, tables, w
+
+
+def _rows(shape, grid, coord):
+    """Where shard ``coord``'s positions sit among the whole image's, flattened row-major."""
+    cs = block_coords(shape, grid, coord, "cpu")
+    index = torch.zeros((), dtype=torch.long)
+    for c, n in zip(cs, shape):
+        index = index * n + c
+    return index
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("grid", [(2, 2), (3, 1)])
+def test_ring_backward_is_the_adjoint_of_its_forward(grid):
+    """Attention is linear in v: the sum over shards of <A v, w> equals that of <v, dv> (dv: the backward)."""
+    shape = (7, 5)
+    q, k, v, tables, w = _problem(shape)
+
+    def run(ex, i):
+        rows = _rows(shape, grid, list(all_coords(grid))[i])
+        vi = v[:, rows].clone().requires_grad_(True)
+        plan = RingPlan(SimpleNamespace(executor=ex), shape, 0.4, "cpu")
+        out = attend(plan, q[:, rows], k[:, rows], vi, [t[:, rows] for t in tables])
+        out.backward(w[:, rows])
+        return float((out.detach() * w[:, rows]).sum()), float((vi.detach() * vi.grad).sum())
+
+    sides = on_threads(grid, run)
+    forward, adjoint = sum(s[0] for s in sides), sum(s[1] for s in sides)
+    assert abs(forward - adjoint) <= 1e-12 * abs(forward), (forward, adjoint)
+
+
+def _one_process(shape, q, k, v, tables, w):
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, *tables)]
+    out = attend(RingPlan(Alone(len(shape)), shape, 0.4, "cpu"), *leaves[:3], leaves[3:])
+    out.backward(w)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ring", "gathered"])
+@pytest.mark.parametrize("grid", [(2, 2), (3, 2)])
+def test_op_exact_forward_and_backward_on_uneven_shards(grid, strategy):
+    """7x5 positions on 2x2 (4/3 by 3/2) and 3x2 shards: outputs and gradients of q, k, v and the relative
+    position tables against one process, each tensor against its own size."""
+    shape = (7, 5)
+    q, k, v, tables, w = _problem(shape)
+    ref_out, ref_grads = _one_process(shape, q, k, v, tables, w)
+    coords = list(all_coords(grid))
+
+    def run(ex, i):
+        rows = _rows(shape, grid, coords[i])
+        leaves = [t[:, rows].clone().requires_grad_(True) for t in (q, k, v, *tables)]
+        out = attend(RingPlan(SimpleNamespace(executor=ex), shape, 0.4, "cpu"), *leaves[:3], leaves[3:], strategy)
+        return rows, out, leaves
+
+    parts = on_threads(grid, run)
+    if strategy == "ring":  # each shard's own backward, all at once (the ring passes run in it)
+        on_threads(grid, lambda ex, i: parts[i][1].backward(w[:, parts[i][0]]))
+    else:  # the gathered copies link the shards' graphs: one backward of everything
+        torch.autograd.backward([p[1] for p in parts], [w[:, p[0]] for p in parts])
+    out = torch.empty_like(ref_out)
+    grads = [torch.zeros_like(g) for g in ref_grads]
+    for rows, o, leaves in parts:
+        out[:, rows] = o.detach()
+        for g, leaf in zip(grads, leaves):
+            g[:, rows] = leaf.grad
+    assert (out - ref_out).abs().max() <= 1e-12 * ref_out.abs().max()
+    for name, g, r in zip(["q", "k", "v", "rows table", "columns table"], grads, ref_grads):
+        assert (g - r).abs().max() <= 1e-12 * r.abs().max(), name
+
+
+# -- models on a live World ----------------------------------------------------------------------------
+class BottleneckNet(nn.Module):
+    """timm's bottleneck attention (botnet's global MHSA with relative positions) between convolutions."""
+
+    def __init__(self, feat=(7, 5), c: int = 8, strategy: str | None = None) -> None:
+        super().__init__()
+        from timm.layers.bottleneck_attn import BottleneckAttn
+
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1), nn.GroupNorm(2, c), nn.ReLU())
+        self.attn = BottleneckAttn(c, c, feat_size=feat, num_heads=2)
+        self.head = nn.Sequential(nn.Conv2d(c, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        if strategy:
+            use(self, strategy)
+
+    def forward(self, x):
+        return self.head(self.attn(self.stem(x)))
+
+
+class TokenAttention(nn.Module):
+    """A map's positions as tokens (``reshape(b, c, -1)``, whose positions bigconv never gathers behind the
+    user's back, unlike ``flatten``'s), one SDPA over all of them, pooled into a head."""
+
+    def __init__(self, c: int = 6, causal: bool = False, mask: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, c, 3, padding=1)
+        self.qkv, self.head = nn.Linear(c, 3 * c), nn.Linear(c, 3)
+        self.causal, self.mask = causal, mask
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        t = h.reshape(h.shape[0], h.shape[1], -1).transpose(1, 2)
+        b, n, c = t.shape
+        q, k, v = self.qkv(t).reshape(b, n, 3, 2, c // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = torch.ones(n, n, dtype=torch.bool).tril() if self.mask else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return self.head(o.transpose(1, 2).reshape(b, n, c).mean(1))
+
+
+def _verdict(model, world, x, y):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(model, world, x, y, nn.CrossEntropyLoss(), grid=(2, 2))
+    r.pop("net", None)
+    return r
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ring", "gathered"])
+def test_bottleneck_attention_exact_on_uneven_shards(world, strategy):
+    """A 7x5 map on 2x2 shards (4/3 rows, 3/2 columns): forward, gradients, weights after two steps."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 7, 5, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(BottleneckNet(strategy=strategy).double(), world, x, torch.tensor([0, 2])))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_bottleneck_attention_on_the_rpc_transport_gathers_exactly(world):
+    """Under the rpc transport's distributed autograd a ring pass inside backward stalls (a 60 s RPC timeout):
+    its link says so (``ring_in_backward``) and the ring strategy gathers there instead."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 7, 5, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(BottleneckNet().double(), world, x, torch.tensor([0, 2]), nn.CrossEntropyLoss(),
+                             grid=(2, 2), transport="rpc")
+    r.pop("net", None)
+    assert_exact(r)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_sdpa_over_flattened_positions_exact(world):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 9, 7, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(TokenAttention().double(), world, x, torch.tensor([1, 2])))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,words", [
+    ("causal", ["scaled_dot_product_attention", "it is causal", "each shard's own"]),
+    ("mask", ["scaled_dot_product_attention", "attention mask", "hold_whole"]),
+])
+def test_causal_and_masked_attention_refused(refused_before_remote_work, kind, words):
+    refused_before_remote_work(TokenAttention(causal=kind == "causal", mask=kind == "mask"), words, shape=(2, 1, 8, 8))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_vit_without_class_token_split_by_ring_attention(world):
+    """timm's ViT over patch tokens (no class token, average pooling): its blocks' SDPA by ring passes, its
+    position embedding cut to each shard's tokens; 5x5 tokens on 2x2 shards (3/2 by 3/2)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=3, img_size=40, patch_size=8,
+                              embed_dim=16, depth=2, num_heads=2, class_token=False, global_pool="avg").double()
+    attention = []
+    _, error = layer_report(model, (2, 3, 40, 40), (2, 2), dtype=torch.float64, attention=attention)
+    assert error is None and [s.split(":")[0] for _, _, s in attention] == ["ring", "ring"], (error, attention)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))
