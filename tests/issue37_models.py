@@ -183,15 +183,86 @@ def tiny_swin(v2: bool = False) -> nn.Module:
 class TimmAttention(nn.Module):
     """timm's bottleneck (global MHSA, botnet's) or halo attention (halonet's) between convolutions."""
 
-    def __init__(self, kind: str, c: int = 8) -> None:
+    def __init__(self, kind: str, c: int = 8, block: int = 2, halo: int = 1, stride: int = 1) -> None:
         super().__init__()
         from timm.layers.bottleneck_attn import BottleneckAttn
         from timm.layers.halo_attn import HaloAttn
 
         self.stem = nn.Sequential(nn.Conv2d(1, c, 3, stride=2, padding=1), nn.GroupNorm(2, c), nn.ReLU())
         self.attn = (BottleneckAttn(c, c, feat_size=(6, 6), num_heads=2) if kind == "bottleneck"
-                     else HaloAttn(c, c, feat_size=(6, 6), block_size=2, halo_size=1, num_heads=2))
+                     else HaloAttn(c, c, feat_size=(6, 6), block_size=block, halo_size=halo, num_heads=2,
+                                   stride=stride))
         self.head = nn.Sequential(nn.Conv2d(c, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
     def forward(self, x):
         return self.head(self.attn(self.stem(x)))
+
+
+class NeighbourhoodAttention(nn.Module):
+    """Neighbourhood attention in torch ops, as NATTEN's legacy torch module computes it: each query attends to
+    the k x k keys around it (every d-th position with dilation d), the window clamped inside the map at its
+    borders (unfold the keys into the map's k x k windows, then pad that map of windows by replication), plus a
+    relative position bias. Odd and even k (an even window holds k // 2 keys before the query, k // 2 - 1
+    after). Channels-last, as NAT's blocks run it. ``fold``: the windows by ``F.unfold`` (im2col) instead of
+    ``Tensor.unfold`` (the legacy module's mode 1)."""
+
+    def __init__(self, dim: int, heads: int, kernel: int, dilation: int = 1, fold: bool = False) -> None:
+        super().__init__()
+        self.heads, self.kernel, self.dilation, self.fold = heads, kernel, dilation, fold
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.rpb = nn.Parameter(torch.randn(heads, 2 * kernel - 1, 2 * kernel - 1) * 0.1)
+
+    def forward(self, x):  # (B, H, W, C)
+        b, h, w, c = x.shape
+        d = self.dilation
+        if d > 1:  # each residue class of positions mod d on its own: a partition of both dims into (n / d, d)
+            x = x.view(b, h // d, d, w // d, d, c).permute(0, 2, 4, 1, 3, 5).reshape(b * d * d, h // d, w // d, c)
+        x = self._attend(x)
+        if d > 1:
+            x = x.view(b, d, d, h // d, w // d, c).permute(0, 3, 1, 4, 2, 5).reshape(b, h, w, c)
+        return self.proj(x)
+
+    def _windows(self, kv):  # (B, H, W, 2C) -> (B, 2C, k * k, H, W): each position's clamped window
+        b, h, w, c2 = kv.shape
+        k = self.kernel
+        if self.fold:
+            win = F.unfold(kv.permute(0, 3, 1, 2), (k, k)).reshape(b * c2, k * k, h - k + 1, w - k + 1)
+        else:
+            win = kv.permute(0, 3, 1, 2).flatten(0, 1).unfold(1, k, 1).unfold(2, k, 1).permute(0, 3, 4, 1, 2)
+            win = win.flatten(1, 2)
+        win = F.pad(win, (k // 2, (k - 1) // 2, k // 2, (k - 1) // 2), mode="replicate")
+        return win.reshape(b, c2, k * k, h, w)
+
+    def _bias(self, h: int, w: int):  # (heads, H * W, k * k): the relative position bias of each query's keys
+        k = self.kernel
+        starts = [torch.clamp(torch.arange(n) - k // 2, 0, n - k) for n in (h, w)]
+        rel = [s[:, None] + torch.arange(k)[None, :] - torch.arange(n)[:, None] + k - 1 for s, n in zip(starts, (h, w))]
+        index = (rel[0][:, None, :, None] * (2 * k - 1) + rel[1][None, :, None, :]).reshape(h * w, k * k)
+        return self.rpb.flatten(1)[:, index]
+
+    def _attend(self, x):
+        b, h, w, c = x.shape
+        hd = c // self.heads
+        qkv = self.qkv(x)
+        q = qkv[..., :c].reshape(b, h * w, self.heads, 1, hd) * hd ** -0.5
+        kv = self._windows(qkv[..., c:]).reshape(b, 2, self.heads, hd, self.kernel ** 2, h * w)
+        k, v = kv.permute(1, 0, 5, 2, 4, 3).unbind(0)  # (B, HW, heads, k*k, hd)
+        attn = (q @ k.transpose(-2, -1)).squeeze(-2) + self._bias(h, w).transpose(0, 1)
+        out = attn.softmax(-1).unsqueeze(-2) @ v  # (B, HW, heads, 1, hd)
+        return out.reshape(b, h, w, c)
+
+
+class NeighbourhoodNet(nn.Module):
+    """A convolution stem, a NAT-style block (LayerNorm, neighbourhood attention, residual), a convolution head."""
+
+    def __init__(self, kernel: int, dilation: int = 1, fold: bool = False, c: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1), nn.GELU())
+        self.norm = nn.LayerNorm(c)
+        self.attn = NeighbourhoodAttention(c, 2, kernel, dilation, fold)
+        self.head = nn.Conv2d(c, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.stem(x).permute(0, 2, 3, 1)
+        h = h + self.attn(self.norm(h))
+        return self.head(h.permute(0, 3, 1, 2))

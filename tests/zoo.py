@@ -572,6 +572,9 @@ ZOO: list[ZooEntry] = [
        (1, 3, 112, 112), 4, (2, 2), note="img_size=112; PatchMerging's reshape re-sharded by whole 2x2 blocks"),
     _e("timm/swinv2_tiny_window8_256", "swin", timm_model("swinv2_tiny_window8_256", img_size=128),
        (1, 3, 128, 128), 4, (2, 2), note="img_size=128"),
+    _e("timm/halonet26t", "halonet", timm_model("halonet26t"), (1, 3, 256, 256), 4, (2, 2),
+       note="unchanged at 256 px (its last stage's blocks of 8 need a multiple of 256): blocks of 8 with halos of "
+       "2 split on 16x16 (keys and values unfolded with a halo exchange), the 8x8 stage held whole"),
     _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 2, (2, 1),
        expect="refused", reason=ATTENTION, match=r"self_attn|BottleneckAttn", note="img_size=64"),
     # -- segmentation_models_pytorch -----------------------------------------------------------------

@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from . import layout, norm, positions, random, reduce, roll, subpixel, window, windows
+from . import layout, norm, positions, random, reduce, roll, subpixel, unfold, window, windows
 
-MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows)
+MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, unfold)
 
 
 def _merge(name: str) -> Mapping:
