@@ -7,6 +7,8 @@ dense map (a tuple of a map and a vector), two classifier heads; and a SyncBatch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -266,3 +268,37 @@ class NeighbourhoodNet(nn.Module):
         h = self.stem(x).permute(0, 2, 3, 1)
         h = h + self.attn(self.norm(h))
         return self.head(h.permute(0, 3, 1, 2))
+
+
+def _attn_float64(self, q, k, v):
+    """timm LiteMLA's ``_attn`` without its cast to float32 (``q.float()``): in float32 the sum over positions
+    rounds differently when added shard by shard, so only float64 arithmetic can be compared at 1e-9."""
+    kv = k.transpose(-1, -2) @ v
+    out = q @ kv
+    return out[..., :-1] / (out[..., -1:] + self.eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _lite_mla_float64() -> type:
+    from timm.models.efficientvit_mit import LiteMLA
+
+    return type("LiteMLAFloat64", (LiteMLA,), {"_attn": _attn_float64, "__module__": __name__,
+                                               "__qualname__": "LiteMLAFloat64"})
+
+
+def __getattr__(name: str):  # the class above, built on first use (timm imported then), found by pickle
+    if name == "LiteMLAFloat64":
+        return _lite_mla_float64()
+    raise AttributeError(name)
+
+
+def efficientvit_b0_float64(num_classes: int = 3) -> nn.Module:
+    """timm ``efficientvit_b0`` with its LiteMLA attention kept in the model's dtype (see ``_attn_float64``)."""
+    import timm
+    from timm.models.efficientvit_mit import LiteMLA
+
+    model = timm.create_model("efficientvit_b0", pretrained=False, num_classes=num_classes, drop_rate=0.0)
+    for m in model.modules():
+        if type(m) is LiteMLA:
+            m.__class__ = _lite_mla_float64()
+    return model

@@ -256,6 +256,12 @@ def timm_model(name: str, **kwargs) -> Callable[[], nn.Module]:
     return factory
 
 
+def _efficientvit_b0_float64() -> nn.Module:
+    from issue37_models import efficientvit_b0_float64
+
+    return efficientvit_b0_float64(NUM_CLASSES)
+
+
 # ----------------------------------------------------------------------------------------------------
 # segmentation_models_pytorch
 # ----------------------------------------------------------------------------------------------------
@@ -575,6 +581,10 @@ ZOO: list[ZooEntry] = [
     _e("timm/halonet26t", "halonet", timm_model("halonet26t"), (1, 3, 256, 256), 4, (2, 2),
        note="unchanged at 256 px (its last stage's blocks of 8 need a multiple of 256): blocks of 8 with halos of "
        "2 split on 16x16 (keys and values unfolded with a halo exchange), the 8x8 stage held whole"),
+    _e("timm/efficientvit_b0", "efficientvit", _efficientvit_b0_float64, (1, 3, 128, 128), 4, (2, 2),
+       note="LiteMLA's linear attention: heads by reshape into flattened positions, keys times values contracted over "
+       "them (a global sum), F.pad of values by a row of ones, queries per position; reshaped back into the map. "
+       "Its _attn casts to float32 (q.float()): kept in float64 here (tests/issue37_models.efficientvit_b0_float64)"),
     _e("timm/botnet26t_256", "botnet", timm_model("botnet26t_256", img_size=64), (2, 3, 64, 64), 2, (2, 1),
        expect="refused", reason=ATTENTION, match=r"self_attn|BottleneckAttn", note="img_size=64"),
     # -- segmentation_models_pytorch -----------------------------------------------------------------

@@ -202,6 +202,8 @@ def _reshape(mode: RuleContext, func, args, kwargs):
     if factors is not None:  # depth to space or space to depth, written as reshapes (bigconv.ops.subpixel)
         merge, rs = factors
         return (subpixel.merge_spatial if merge else subpixel.split_spatial)(mode, func, x, rs)
+    if _flattens_all_but_batch(mode, x, target):  # x.view(N, -1): flatten(1) by another name, as flatten(1) is
+        return _flatten_whole(mode, func, x, target)
     lead = tuple(x.shape[: x.dim() - d])
     if (d > 1 and mode.layout(x) == trailing(d) and tuple(target[:-1]) == lead
             and target[-1] in (-1, global_size(x, d)[-d:].numel())):
@@ -214,6 +216,25 @@ def _reshape(mode: RuleContext, func, args, kwargs):
                                "moving values across its spatial dims", FLATTEN_FIX)
     out = func(x, (*target[:-d], *mode.executor.local_shape(shape)))
     return mark(out, shape)
+
+
+def _flattens_all_but_batch(mode: RuleContext, x: torch.Tensor, target: list) -> bool:
+    """The reshape is ``x.flatten(1)``: ``(N, everything else)`` (MONAI SegResNetVAE's ``view(-1, 256)`` of a
+    4x4 map, ``x.view(x.size(0), -1)`` before a classifier), channels and spatial dims merged."""
+    size = global_size(x, mode.dims)
+    if x.dim() < 3 or len(target) != 2 or any(not isinstance(t, int) for t in target):
+        return False
+    resolved = windows.resolve(list(target), size.numel())
+    return resolved[0] == size[0] and resolved[1] == size[1:].numel() and 0 not in nonneg_dims(mode.layout(x), x.dim())
+
+
+def _flatten_whole(mode: RuleContext, func, x: torch.Tensor, target: list) -> torch.Tensor:
+    """A flatten into a dense head (``bigconv.ops.reduce``'s flatten): the map gathered whole on every worker,
+    exactly as a single process sees it, in its layout; only worker 0's copy reaches the loss."""
+    spatial = nonneg_dims(mode.layout(x), x.dim())
+    order = [p for p in range(x.dim()) if p not in spatial] + spatial
+    whole = mode.executor.gather_all(x.permute(order), global_shape(x)).permute([order.index(p) for p in range(x.dim())])
+    return torch.reshape(whole, target) if func is torch.reshape else func(whole, target)
 
 
 def _repeat(mode: RuleContext, func, args, kwargs):

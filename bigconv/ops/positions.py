@@ -172,8 +172,9 @@ def _reshape(mode: RuleContext, func, args, kwargs):
         if t == total and _count(target[:k]) == before and _count(target[k + 1:]) == after:
             local = [*target[:k], x.shape[pos], *target[k + 1:]]
             return mark_positions(func(x, local), shape, k - len(target))
-    out = positions_to_map(mode, func, x, shape, dim, target) if isinstance(shape, WindowGrid) else None
-    if out is not None:  # windows (bigconv.ops.windows) back into a map of windows, or split from the batch
+    grid = shape if isinstance(shape, WindowGrid) else WindowGrid(shape)  # an image's positions: no whole items
+    out = positions_to_map(mode, func, x, grid, dim, target)
+    if out is not None:  # back into a map (of windows), or merged with whole dims (bigconv.ops.windows)
         return out
     raise refuse(mode, func, f"it reshapes them into {tuple(target)}, mixing the positions with other dims")
 

@@ -167,6 +167,21 @@ def _flatten(mode: RuleContext, func, args, kwargs):
     return func(mode.executor.gather_all(x, shape), *args[1:], **kwargs)
 
 
+def _elementwise_loss(mode: RuleContext, func, args, kwargs):
+    """``F.mse_loss``/``F.l1_loss`` of sharded maps inside forward (MONAI SegResNetVAE's reconstruction loss):
+    the pointwise error, then a global mean or sum over every dim."""
+    b = bind(("input", "target", "size_average", "reduce", "reduction"), args, kwargs)
+    if b.get("size_average") is not None or b.get("reduce") is not None:
+        raise mode.unsupported(func, "of its deprecated size_average/reduce arguments", "Give reduction= instead")
+    reduction = b.get("reduction", "mean")
+    error = pointwise(mode, torch.sub, (b["input"], b["target"]), {})
+    error = pointwise(mode, torch.square if func is F.mse_loss else torch.abs, (error,), {})
+    if reduction == "none":
+        return error
+    return sum_mean(mode, torch.mean if reduction == "mean" else torch.sum, (error, list(range(error.dim()))), {},
+                    mean=reduction == "mean")
+
+
 def _register() -> None:
     table = {
         (lambda m, f, a, k: sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
@@ -177,6 +192,7 @@ def _register() -> None:
                                    "prod", "norm", "any", "all")) + (F.softmax, F.log_softmax, torch.linalg.vector_norm),
         _linear: (F.linear,),
         _flatten: (torch.flatten, torch.Tensor.flatten),
+        _elementwise_loss: (F.mse_loss, F.l1_loss),
     }
     for rule, funcs in table.items():
         for f in funcs:

@@ -199,8 +199,8 @@ class WindowGrid(tuple):
     def __ne__(self, other):
         return not self == other
 
-    def __hash__(self):
-        return hash((tuple(self), self.lead, self.trail))
+    def __hash__(self):  # equal to its plain shape's without whole items (an image's positions), as == says
+        return tuple.__hash__(self) if self.lead == self.trail == 1 else hash((tuple(self), self.lead, self.trail))
 
     def __repr__(self):
         return f"{tuple(self)} windows x {self.lead}" + (f", x {self.trail} after" if self.trail != 1 else "")
