@@ -578,6 +578,9 @@ ZOO: list[ZooEntry] = [
        (1, 3, 112, 112), 4, (2, 2), note="img_size=112; PatchMerging's reshape re-sharded by whole 2x2 blocks"),
     _e("timm/swinv2_tiny_window8_256", "swin", timm_model("swinv2_tiny_window8_256", img_size=128),
        (1, 3, 128, 128), 4, (2, 2), note="img_size=128"),
+    _e("timm/edgenext_xx_small", "edgenext", timm_model("edgenext_xx_small"), (1, 3, 64, 64), 4, (2, 2),
+       note="unchanged: its positional encoding's cumsum over rows and columns (a prefix sum across shards) and "
+       "cross-covariance attention (channels normalized over all positions: a global norm; q k^T over positions)"),
     _e("timm/halonet26t", "halonet", timm_model("halonet26t"), (1, 3, 256, 256), 4, (2, 2),
        note="unchanged at 256 px (its last stage's blocks of 8 need a multiple of 256): blocks of 8 with halos of "
        "2 split on 16x16 (keys and values unfolded with a halo exchange), the 8x8 stage held whole"),

@@ -324,8 +324,19 @@ def _linear(mode: RuleContext, func, args, kwargs):
 
 
 def _normalize(mode: RuleContext, func, args, kwargs):
-    b = bind(("input", "p", "dim"), args, kwargs)
-    return _same(mode, func, args, kwargs, b["input"], [b.get("dim", 1)])
+    """``F.normalize`` over other dims: per position; over the positions (EdgeNeXt's cross-covariance
+    attention normalizes each channel over the image): the norm is a global sum over every shard."""
+    b = bind(("input", "p", "dim", "eps"), args, kwargs)
+    x = b["input"]
+    shape, pos = _pos(x)
+    if b.get("dim", 1) % x.dim() != pos:
+        return _same(mode, func, args, kwargs, x, [b.get("dim", 1)])
+    p = float(b.get("p", 2.0))
+    if not p > 0 or p == float("inf"):
+        raise _refuse(mode, func, f"it takes a {p}-norm over the positions (finite positive p only)")
+    total = mode.executor.allsum(x.abs().pow(p).sum(dim=pos, keepdim=True))
+    norm = total.pow(1 / p).clamp_min(b.get("eps", 1e-12)).expand_as(x)
+    return mark_positions(x / norm, shape, pos - x.dim())
 
 
 def _layer_norm(mode: RuleContext, func, args, kwargs):
