@@ -32,6 +32,9 @@ def _verdict(model, world, x, y, loss=None, grid=(2, 2)):
     return r
 
 
+DEFAULT = {"halo-1", "k4-even-dilated", "k3-im2col"}
+"""The cases in the default test command (about 8 s each on two cores); the others run with ``-m zoo``."""
+
 HALO_CASES = {
     # name: (block, halo, stride, input shape): the map is half the input
     "halo-1": (2, 1, 1, (2, 1, 16, 16)),  # 8x8 map, 4x4 per shard: 2x2 blocks of 2, keys of 4x4
@@ -44,7 +47,7 @@ HALO_CASES = {
 
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", sorted(HALO_CASES))
+@pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.zoo) for c in sorted(HALO_CASES)])
 def test_timm_halo_attention_split_exactly(world, case):
     block, halo, stride, shape = HALO_CASES[case]
     torch.manual_seed(0)
@@ -67,7 +70,8 @@ NEIGHBOURHOOD_CASES = {
 
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", sorted(NEIGHBOURHOOD_CASES))
+@pytest.mark.parametrize("case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.zoo)
+                                  for c in sorted(NEIGHBOURHOOD_CASES)])
 def test_neighbourhood_attention_split_exactly(world, case):
     """NATTEN's legacy torch pattern (``issue37_models.NeighbourhoodAttention``): the keys' windows by unfold
     (a halo of k - 1), clamped at the map's borders by a replicate pad of the map of windows (an index map),

@@ -79,6 +79,7 @@ def test_voxelmorph_refused_at_grid_sample(refused_before_remote_work):
                                shape=(1, 2, 32, 32))
 
 
+@pytest.mark.zoo
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
 def test_voxelmorph_with_its_warp_held_whole_trains_exactly(world):

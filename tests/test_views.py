@@ -61,6 +61,7 @@ def _vae_loss(outs, y):
     return F.mse_loss(seg, y) + vae_loss
 
 
+@pytest.mark.zoo  # about 30 s on two cores
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
 def test_monai_segresnet_vae_trains_exactly(world):
