@@ -8,6 +8,10 @@ Three formats, by the name of ``out``:
 - ``NAME.ome.tif``: the same pyramid as a tiled, pyramidal OME-TIFF (tifffile), written by the driver
   tile by tile from the OME-Zarr the workers wrote (one tile in memory at a time; a TIFF has one writer).
 
+A model returning several outputs (a list, tuple or dict: deep supervision, HoVerNet's heads) writes a
+``NAME.zarr`` group holding an array per dense output, named by its place in the structure (``"0"``,
+``"np"``); vectors per image are not written (driver mode; ``net.full(x)`` returns them).
+
 Whatever the format, nothing the user had is lost (``bigconv.data.outputs``): the output is refused
 before any remote work when it is, holds or lies inside an input or exists without bigconv's mark, and
 it is written under a temporary sibling moved into place when every worker is done.
@@ -19,7 +23,7 @@ import os
 from typing import Sequence
 
 from .data import outputs, pyramid
-from .data.sources import is_source_batch
+from .data.sources import SourceBatch, is_source_batch
 from .geometry.boxes import all_coords, shard_box
 
 OME_ZARR = (".ome.zarr",)
@@ -70,6 +74,71 @@ def check_options(plan, x, fmt: str, kinds: tuple[str, ...], levels, classes) ->
                          "keep 'probabilities' (a sigmoid) instead")
 
 
+def output_names(plan) -> list[str]:
+    """A name for each output tensor of a model with several (``plan.spec``): list and tuple items by their
+    index, dict entries by their key, nested ones joined by dots (``"0"``, ``"aux"``, ``"heads.1"``)."""
+    import torch.utils._pytree as pytree
+
+    paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(len(plan.outputs))), plan.spec))
+    return [".".join(str(getattr(k, "idx", getattr(k, "key", k))) for k in path) for path, _ in paths]
+
+
+def _check_several(plan, fmt: str, kinds: tuple[str, ...], levels, classes) -> list[str | None]:
+    """Several outputs go to one zarr group, an array per dense output named by ``output_names``; each
+    output's name, or None for a vector (not written). Refused before remote work where that cannot be."""
+    if fmt != "zarr":
+        raise ValueError(f"this model returns {len(plan.outputs)} outputs; predict writes them to one .zarr group "
+                         "(an array per dense output), not to an OME-Zarr or OME-TIFF image: give out= a .zarr name, "
+                         "or predict with a wrapper returning the one map to write")
+    if len(kinds) > 1 or levels not in (None, 1) or classes is not None:
+        raise ValueError("several outputs are written as one kind each (keep= one of float, float16, probabilities, "
+                         "labels), one level, no class names")
+    names = [name if shape is not None else None for name, (shape, _) in zip(output_names(plan), plan.outputs)]
+    if not any(names):
+        raise ValueError(f"predict writes dense maps, but none of this model's {len(names)} outputs is one (vectors "
+                         "per image); use net.full(x) for them")
+    if kinds[0] == "labels":
+        thin = [n for n, (shape, full) in zip(names, plan.outputs) if n is not None and full[1] < 2]
+        if thin:
+            raise ValueError(f"keep='labels' takes the argmax over the channels, but output(s) {thin} have one "
+                             "channel; keep 'probabilities' (a sigmoid) or 'float' instead")
+    return names
+
+
+def _predict_several(net, x, out, plan, overwrite: bool, max_chunk: int, kind: str, names: list) -> str:
+    """``predict`` of a model with several outputs: a zarr group at ``out`` holding an array per dense output
+    (``names``), each worker writing its region of every one in the same forward."""
+    import zarr
+
+    path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+    dtype = str(SourceBatch(x).dtype if is_source_batch(x) else x.dtype).replace("torch.", "")
+    chunks = [None if n is None else outputs.aligned_chunks(shape, plan.grid, max_chunk)
+              for n, (shape, _) in zip(names, plan.outputs)]  # refused here, before remote work, where they cannot be
+    shards = net._shard_calls(plan, x)
+    coords = list(all_coords(plan.grid))
+    net.world.check_usable()
+    tmp = outputs.begin_group(path)
+    try:
+        group = zarr.open_group(tmp, mode="r+")
+        arrays = []
+        for name, (shape, full), chunk in zip(names, plan.outputs, chunks):
+            if name is None:
+                arrays.append(None)
+                continue
+            channels = pyramid.kept_channels(kind, full[1])
+            group.create_array(name, shape=(full[0], channels, *shape), chunks=(1, channels, *chunk),
+                               dtype=pyramid.kept_dtype(kind, dtype, full[1]))
+            arrays.append((os.path.join(tmp, name), shape))
+        work = [(s, [None if a is None else (a[0], shard_box(a[1], plan.grid, c)) for a in arrays], kind)
+                for s, c in zip(shards, coords)]
+        net._wait(net._launch("predict_several", work), f"prediction {shards[0].call} (predict_several)")
+    except BaseException:
+        if not net.world.broken:
+            outputs.abandon(tmp)
+        raise
+    return outputs.finish(tmp, path)
+
+
 def _prepared(net, x, out, keep, levels, mpp, classes, max_chunk) -> tuple:
     """What both front ends check and plan before any remote work: the kept kinds, the plan, the chunks
     and dtype, the format, the pixel size, the output's channels and (OME) the pyramid's spec."""
@@ -88,6 +157,11 @@ def _prepared(net, x, out, keep, levels, mpp, classes, max_chunk) -> tuple:
 def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float", levels: int | None = None,
             mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
     """``ParallelModel.predict`` (see its doc)."""
+    plan = net.plan(x)
+    if plan.several:
+        kinds = pyramid.check_keep(keep)
+        names = _check_several(plan, output_format(out), kinds, levels, classes)
+        return _predict_several(net, x, out, plan, overwrite, max_chunk, kinds[0], names)
     kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
                                                                              classes, max_chunk)
     path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)

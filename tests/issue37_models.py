@@ -7,6 +7,8 @@ dense map (a tuple of a map and a vector), two classifier heads; and a SyncBatch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -183,15 +185,120 @@ def tiny_swin(v2: bool = False) -> nn.Module:
 class TimmAttention(nn.Module):
     """timm's bottleneck (global MHSA, botnet's) or halo attention (halonet's) between convolutions."""
 
-    def __init__(self, kind: str, c: int = 8) -> None:
+    def __init__(self, kind: str, c: int = 8, block: int = 2, halo: int = 1, stride: int = 1) -> None:
         super().__init__()
         from timm.layers.bottleneck_attn import BottleneckAttn
         from timm.layers.halo_attn import HaloAttn
 
         self.stem = nn.Sequential(nn.Conv2d(1, c, 3, stride=2, padding=1), nn.GroupNorm(2, c), nn.ReLU())
         self.attn = (BottleneckAttn(c, c, feat_size=(6, 6), num_heads=2) if kind == "bottleneck"
-                     else HaloAttn(c, c, feat_size=(6, 6), block_size=2, halo_size=1, num_heads=2))
+                     else HaloAttn(c, c, feat_size=(6, 6), block_size=block, halo_size=halo, num_heads=2,
+                                   stride=stride))
         self.head = nn.Sequential(nn.Conv2d(c, 3, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
     def forward(self, x):
         return self.head(self.attn(self.stem(x)))
+
+
+class NeighbourhoodAttention(nn.Module):
+    """Neighbourhood attention in torch ops, as NATTEN's legacy torch module computes it: each query attends to
+    the k x k keys around it (every d-th position with dilation d), the window clamped inside the map at its
+    borders (unfold the keys into the map's k x k windows, then pad that map of windows by replication), plus a
+    relative position bias. Odd and even k (an even window holds k // 2 keys before the query, k // 2 - 1
+    after). Channels-last, as NAT's blocks run it. ``fold``: the windows by ``F.unfold`` (im2col) instead of
+    ``Tensor.unfold`` (the legacy module's mode 1)."""
+
+    def __init__(self, dim: int, heads: int, kernel: int, dilation: int = 1, fold: bool = False) -> None:
+        super().__init__()
+        self.heads, self.kernel, self.dilation, self.fold = heads, kernel, dilation, fold
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.rpb = nn.Parameter(torch.randn(heads, 2 * kernel - 1, 2 * kernel - 1) * 0.1)
+
+    def forward(self, x):  # (B, H, W, C)
+        b, h, w, c = x.shape
+        d = self.dilation
+        if d > 1:  # each residue class of positions mod d on its own: a partition of both dims into (n / d, d)
+            x = x.view(b, h // d, d, w // d, d, c).permute(0, 2, 4, 1, 3, 5).reshape(b * d * d, h // d, w // d, c)
+        x = self._attend(x)
+        if d > 1:
+            x = x.view(b, d, d, h // d, w // d, c).permute(0, 3, 1, 4, 2, 5).reshape(b, h, w, c)
+        return self.proj(x)
+
+    def _windows(self, kv):  # (B, H, W, 2C) -> (B, 2C, k * k, H, W): each position's clamped window
+        b, h, w, c2 = kv.shape
+        k = self.kernel
+        if self.fold:
+            win = F.unfold(kv.permute(0, 3, 1, 2), (k, k)).reshape(b * c2, k * k, h - k + 1, w - k + 1)
+        else:
+            win = kv.permute(0, 3, 1, 2).flatten(0, 1).unfold(1, k, 1).unfold(2, k, 1).permute(0, 3, 4, 1, 2)
+            win = win.flatten(1, 2)
+        win = F.pad(win, (k // 2, (k - 1) // 2, k // 2, (k - 1) // 2), mode="replicate")
+        return win.reshape(b, c2, k * k, h, w)
+
+    def _bias(self, h: int, w: int):  # (heads, H * W, k * k): the relative position bias of each query's keys
+        k = self.kernel
+        starts = [torch.clamp(torch.arange(n) - k // 2, 0, n - k) for n in (h, w)]
+        rel = [s[:, None] + torch.arange(k)[None, :] - torch.arange(n)[:, None] + k - 1 for s, n in zip(starts, (h, w))]
+        index = (rel[0][:, None, :, None] * (2 * k - 1) + rel[1][None, :, None, :]).reshape(h * w, k * k)
+        return self.rpb.flatten(1)[:, index]
+
+    def _attend(self, x):
+        b, h, w, c = x.shape
+        hd = c // self.heads
+        qkv = self.qkv(x)
+        q = qkv[..., :c].reshape(b, h * w, self.heads, 1, hd) * hd ** -0.5
+        kv = self._windows(qkv[..., c:]).reshape(b, 2, self.heads, hd, self.kernel ** 2, h * w)
+        k, v = kv.permute(1, 0, 5, 2, 4, 3).unbind(0)  # (B, HW, heads, k*k, hd)
+        attn = (q @ k.transpose(-2, -1)).squeeze(-2) + self._bias(h, w).transpose(0, 1)
+        out = attn.softmax(-1).unsqueeze(-2) @ v  # (B, HW, heads, 1, hd)
+        return out.reshape(b, h, w, c)
+
+
+class NeighbourhoodNet(nn.Module):
+    """A convolution stem, a NAT-style block (LayerNorm, neighbourhood attention, residual), a convolution head."""
+
+    def __init__(self, kernel: int, dilation: int = 1, fold: bool = False, c: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, c, 3, padding=1), nn.GELU())
+        self.norm = nn.LayerNorm(c)
+        self.attn = NeighbourhoodAttention(c, 2, kernel, dilation, fold)
+        self.head = nn.Conv2d(c, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.stem(x).permute(0, 2, 3, 1)
+        h = h + self.attn(self.norm(h))
+        return self.head(h.permute(0, 3, 1, 2))
+
+
+def _attn_float64(self, q, k, v):
+    """timm LiteMLA's ``_attn`` without its cast to float32 (``q.float()``): in float32 the sum over positions
+    rounds differently when added shard by shard, so only float64 arithmetic can be compared at 1e-9."""
+    kv = k.transpose(-1, -2) @ v
+    out = q @ kv
+    return out[..., :-1] / (out[..., -1:] + self.eps)
+
+
+@functools.lru_cache(maxsize=None)
+def _lite_mla_float64() -> type:
+    from timm.models.efficientvit_mit import LiteMLA
+
+    return type("LiteMLAFloat64", (LiteMLA,), {"_attn": _attn_float64, "__module__": __name__,
+                                               "__qualname__": "LiteMLAFloat64"})
+
+
+def __getattr__(name: str):  # the class above, built on first use (timm imported then), found by pickle
+    if name == "LiteMLAFloat64":
+        return _lite_mla_float64()
+    raise AttributeError(name)
+
+
+def efficientvit_b0_float64(num_classes: int = 3) -> nn.Module:
+    """timm ``efficientvit_b0`` with its LiteMLA attention kept in the model's dtype (see ``_attn_float64``)."""
+    import timm
+    from timm.models.efficientvit_mit import LiteMLA
+
+    model = timm.create_model("efficientvit_b0", pretrained=False, num_classes=num_classes, drop_rate=0.0)
+    for m in model.modules():
+        if type(m) is LiteMLA:
+            m.__class__ = _lite_mla_float64()
+    return model

@@ -55,11 +55,6 @@ class SpatialLinear(nn.Module):
         return self.mix(self.conv(x)).mean(dim=(2, 3))
 
 
-class RowFlatten(nn.Module):
-    def forward(self, x):
-        return x.reshape(x.shape[0], -1)
-
-
 @pytest.mark.world(4)
 @pytest.mark.parametrize("model,grid,shape,match", [
     (lambda: CNN2D(), (2, 2), (1, 1, 16), r"expects \(N, C, \*2 spatial dims\)"),
@@ -74,9 +69,8 @@ class RowFlatten(nn.Module):
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Upsample(scale_factor=2, mode="bicubic")), (2, 2), (1, 1, 8, 8),
      r"interpolate in module '1' \(Upsample\): mode 'bicubic'"),
     (SpatialLinear, (2, 2), (1, 1, 8, 8), r"linear in module 'mix' \(Linear\)"),
-    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), RowFlatten(), nn.Linear(72, 2)), (2, 2), (1, 1, 8, 8),
-     r"linear in module '2' \(Linear\): it acts on windows \(or an image's positions\)"),
-    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Unfold(2)), (2, 2), (1, 1, 8, 8), r"in module '1' \(Unfold\)"),
+    (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.Unfold(2)), (2, 2), (1, 1, 8, 8),  # im2col's columns: positions
+     r"cannot return, from the model's forward, positions flattened"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), nn.MaxUnpool2d(2)), (2, 2), (1, 1, 8, 8), r"module '1' \(MaxUnpool2d\)"),
     (lambda: nn.Sequential(nn.Conv2d(1, 2, 3), RandPerm()), (2, 2), (1, 1, 8, 8),
      r"randperm in module '1' \(RandPerm\): each worker would draw its own values"),

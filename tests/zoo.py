@@ -256,6 +256,12 @@ def timm_model(name: str, **kwargs) -> Callable[[], nn.Module]:
     return factory
 
 
+def _efficientvit_b0_float64() -> nn.Module:
+    from issue37_models import efficientvit_b0_float64
+
+    return efficientvit_b0_float64(NUM_CLASSES)
+
+
 # ----------------------------------------------------------------------------------------------------
 # segmentation_models_pytorch
 # ----------------------------------------------------------------------------------------------------
@@ -579,6 +585,16 @@ ZOO: list[ZooEntry] = [
                                                           class_token=False, global_pool="avg"),
        (2, 3, 64, 64), 4, (2, 2), note="img_size=64, depth=2, class_token=False, global_pool='avg': its blocks' SDPA "
        "over 4x4 patch tokens by ring attention, the position embedding cut per shard"),
+    _e("timm/edgenext_xx_small", "edgenext", timm_model("edgenext_xx_small"), (1, 3, 64, 64), 4, (2, 2),
+       note="unchanged: its positional encoding's cumsum over rows and columns (a prefix sum across shards) and "
+       "cross-covariance attention (channels normalized over all positions: a global norm; q k^T over positions)"),
+    _e("timm/halonet26t", "halonet", timm_model("halonet26t"), (1, 3, 256, 256), 4, (2, 2),
+       note="unchanged at 256 px (its last stage's blocks of 8 need a multiple of 256): blocks of 8 with halos of "
+       "2 split on 16x16 (keys and values unfolded with a halo exchange), the 8x8 stage held whole"),
+    _e("timm/efficientvit_b0", "efficientvit", _efficientvit_b0_float64, (1, 3, 128, 128), 4, (2, 2),
+       note="LiteMLA's linear attention: heads by reshape into flattened positions, keys times values contracted over "
+       "them (a global sum), F.pad of values by a row of ones, queries per position; reshaped back into the map. "
+       "Its _attn casts to float32 (q.float()): kept in float64 here (tests/issue37_models.efficientvit_b0_float64)"),
     # -- segmentation_models_pytorch -----------------------------------------------------------------
     _e("smp/Unet", "unet", smp_model("Unet", encoder_depth=3, decoder_channels=(16, 8, 8)), (2, 3, 64, 64), 2,
        (2, 1), dense=True, fast=True, note="resnet18 encoder, depth 3"),

@@ -42,8 +42,8 @@ def pointwise(mode: RuleContext, func, args, kwargs):
         if not isinstance(t, torch.Tensor) or global_shape(t) is not None or t.dim() == 0:
             continue
         sizes = tuple(t.shape[d] if t.dim() >= -d else 1 for d in dims)
-        if sizes == tuple(shape) and any(s != 1 for s in sizes):
-            full.append(t)
+        if all(s in (1, g) for s, g in zip(sizes, shape)) and any(s != 1 for s in sizes):
+            full.append(t)  # the image's size along some spatial dims, broadcast along the others
         elif any(s != 1 for s in sizes):
             raise mode.unsupported(
                 func, f"an unsharded operand of shape {tuple(t.shape)} varies along the spatial dims of an image "
@@ -51,9 +51,21 @@ def pointwise(mode: RuleContext, func, args, kwargs):
                 "(broadcast), the image's whole size, or compute them from the input")
     if full:
         ids = {id(t) for t in full}
-        local = {id(t): mode.executor.local_part(t, shape, dims) for t in full}
+        local = {id(t): mode.executor.local_part(_broadcast_spatial(t, shape, dims), shape, dims) for t in full}
         args, kwargs = _replace(args, local, ids), _replace(kwargs, local, ids)
     return mode.tag_outputs(func(*args, **kwargs), shape, dims)
+
+
+def _broadcast_spatial(t: torch.Tensor, shape, dims) -> torch.Tensor:
+    """``t`` expanded (a view) to the image's size along spatial dims where it has size 1 (EdgeNeXt divides
+    its row counts by their last row, ``(N, 1, W)``), so that this shard's part can be cut from it."""
+    if t.dim() >= -min(dims) and all(t.shape[d] == g for d, g in zip(dims, shape)):
+        return t
+    t = t.reshape((1,) * (-min(dims) - t.dim()) + tuple(t.shape)) if t.dim() < -min(dims) else t
+    sizes = [-1] * t.dim()
+    for d, g in zip(dims, shape):
+        sizes[d] = g
+    return t.expand(*sizes)
 
 
 def _replace(tree, local: dict, ids: set):
@@ -202,6 +214,8 @@ def _reshape(mode: RuleContext, func, args, kwargs):
     if factors is not None:  # depth to space or space to depth, written as reshapes (bigconv.ops.subpixel)
         merge, rs = factors
         return (subpixel.merge_spatial if merge else subpixel.split_spatial)(mode, func, x, rs)
+    if _flattens_all_but_batch(mode, x, target):  # x.view(N, -1): flatten(1) by another name, as flatten(1) is
+        return _flatten_whole(mode, func, x, target)
     lead = tuple(x.shape[: x.dim() - d])
     if (d > 1 and mode.layout(x) == trailing(d) and tuple(target[:-1]) == lead
             and target[-1] in (-1, global_size(x, d)[-d:].numel())):
@@ -214,6 +228,25 @@ def _reshape(mode: RuleContext, func, args, kwargs):
                                "moving values across its spatial dims", FLATTEN_FIX)
     out = func(x, (*target[:-d], *mode.executor.local_shape(shape)))
     return mark(out, shape)
+
+
+def _flattens_all_but_batch(mode: RuleContext, x: torch.Tensor, target: list) -> bool:
+    """The reshape is ``x.flatten(1)``: ``(N, everything else)`` (MONAI SegResNetVAE's ``view(-1, 256)`` of a
+    4x4 map, ``x.view(x.size(0), -1)`` before a classifier), channels and spatial dims merged."""
+    size = global_size(x, mode.dims)
+    if x.dim() < 3 or len(target) != 2 or any(not isinstance(t, int) for t in target):
+        return False
+    resolved = windows.resolve(list(target), size.numel())
+    return resolved[0] == size[0] and resolved[1] == size[1:].numel() and 0 not in nonneg_dims(mode.layout(x), x.dim())
+
+
+def _flatten_whole(mode: RuleContext, func, x: torch.Tensor, target: list) -> torch.Tensor:
+    """A flatten into a dense head (``bigconv.ops.reduce``'s flatten): the map gathered whole on every worker,
+    exactly as a single process sees it, in its layout; only worker 0's copy reaches the loss."""
+    spatial = nonneg_dims(mode.layout(x), x.dim())
+    order = [p for p in range(x.dim()) if p not in spatial] + spatial
+    whole = mode.executor.gather_all(x.permute(order), global_shape(x)).permute([order.index(p) for p in range(x.dim())])
+    return torch.reshape(whole, target) if func is torch.reshape else func(whole, target)
 
 
 def _repeat(mode: RuleContext, func, args, kwargs):
@@ -358,6 +391,29 @@ def _getitem(mode: RuleContext, func, args, kwargs):
     return mode.tag_outputs(out, shape, neg_dims([out_dims[p] for p in spatial], out.dim()))
 
 
+def _setitem(mode: RuleContext, func, args, kwargs):
+    """``x[..., i] = v`` writing batch or channel entries at every position (MONAI's ``Warp`` scales each
+    coordinate of its channels-last grid): this shard's positions, with ``v`` sharded alike or constant
+    along the spatial dims."""
+    x, index, value = args[0], args[1], args[2]
+    index = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in index:
+        pos = index.index(Ellipsis)
+        fill = x.dim() - (len(index) - 1 - sum(i is None for i in index))
+        index = index[:pos] + (slice(None),) * fill + index[pos + 1:]
+    if any(i is None for i in index):
+        raise mode.unsupported(func, "it assigns through new dims (None)", "Index without None")
+    index = index + (slice(None),) * (x.dim() - len(index))
+    spatial = nonneg_dims(mode.layout(x), x.dim())
+    if any(index[p] != slice(None) for p in spatial):
+        raise mode.unsupported(func, "it assigns to part of a spatial dim, which is split over the grid",
+                               "Assign whole spatial dims (x[:, c] = ...), or build the tensor with torch.where")
+    if isinstance(value, torch.Tensor) and global_shape(value) is None and value.dim() > 0:
+        raise mode.unsupported(func, f"it assigns an unsharded tensor of shape {tuple(value.shape)} to a sharded one",
+                               "Assign a tensor computed from the sharded map, or a number")
+    return func(*args, **kwargs)
+
+
 def _value(mode: RuleContext, func, args, kwargs):
     raise mode.unsupported(func, "it reads a sharded tensor's values into Python, which would be this shard's "
                            "values, not the image's", "Reduce to a global value first (e.g. x.sum(), x.amax()), "
@@ -369,6 +425,12 @@ def _value_whole(mode: RuleContext, func, args, kwargs, replicated: bool):
         raise mode.unsupported(func, "it reads a tensor's value into Python, which the dry run (on meta tensors, before "
                                "any remote work) cannot know", "Keep data-dependent choices out of forward, or compute "
                                "them in tensors (torch.where)")
+    return func(*args, **kwargs)
+
+
+def _set_flag(mode: RuleContext, func, args, kwargs):
+    """``x.requires_grad = False`` on a sharded tensor (MONAI's ``Warp`` on its reference grid): this shard's
+    tensor's own flag, as one process sets it on the whole."""
     return func(*args, **kwargs)
 
 
@@ -396,6 +458,7 @@ def _register() -> None:
         _query: tuple(getattr(torch.Tensor, n) for n in QUERIES if hasattr(torch.Tensor, n)),
         _factory: tuple(getattr(torch.Tensor, n) for n in ("new_zeros", "new_ones", "new_empty", "new_full")),
         _getitem: (torch.Tensor.__getitem__,),
+        _setitem: (torch.Tensor.__setitem__,),
         _value: (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
                  torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy),
     }
@@ -403,8 +466,10 @@ def _register() -> None:
         for f in funcs:
             RULES[f] = rule
     aware = [pointwise, _reshape, _cat, _stack, _split_like, _permute, _unsqueeze, _squeeze, _repeat, _expand,
-             _expand_as, _size, _numel, _query, _factory, _getitem, _value]
+             _expand_as, _size, _numel, _query, _factory, _getitem, _setitem, _value]
     LAYOUT_AWARE.update(f for f, rule in RULES.items() if rule in aware)
+    RULES[torch.Tensor.requires_grad.__set__] = _set_flag
+    LAYOUT_AWARE.add(torch.Tensor.requires_grad.__set__)
     for f in (torch.zeros, torch.ones, torch.empty, torch.full,  # rand/randn: bigconv.ops.random
               torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full):
         WHOLE_RULES[f] = _factory

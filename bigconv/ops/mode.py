@@ -196,6 +196,8 @@ class ShardMode(TorchFunctionMode):
         if not is_replicated(t):
             return t
         shape = tuple(t.shape[t.dim() - self.dims:])
+        if shape not in shapes and any(all(s in (1, g) for s, g in zip(shape, full)) for full in shapes):
+            return t.view_as(t)  # size 1 along some spatial dims (a map's last row): the pointwise rule cuts it
         if shape not in shapes:
             raise UnsupportedOperation(
                 f"bigconv cannot join, in {self.where()}, a whole map of spatial shape {shape} with maps "

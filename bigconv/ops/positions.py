@@ -27,7 +27,7 @@ from .context import RuleContext
 from .dims import int_dims, size_args
 from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH
 from .reduce import global_extreme
-from .shards import WindowGrid, bind, lead, mark_positions, positions, tree_flatten
+from .shards import WindowGrid, bind, lead, mark_positions, positions, trail, tree_flatten
 from .windows import local_windows, positions_to_map
 
 
@@ -50,7 +50,7 @@ def refuse(mode: RuleContext, func, reason: str = "it is not a reduction over th
 
 
 def _count(shape) -> int:
-    n = lead(shape)  # windows flattened with the batch (bigconv.ops.windows): the batch's count in front
+    n = lead(shape) * trail(shape)  # windows flattened with whole items in front and behind (bigconv.ops.windows)
     for s in shape:
         n *= s
     return n
@@ -80,10 +80,11 @@ def gather_positions(mode: RuleContext, t):
     shape, dim = positions(t)
     k = dim % t.dim()
     moved = t.movedim(k, -1)
-    extra = (lead(shape),) if lead(shape) > 1 else ()  # windows merged with the batch: the batch in front
-    local = moved.reshape(*moved.shape[:-1], *extra, *mode.executor.local_shape(shape))
-    whole = mode.executor.gather_all(local, tuple(shape))
-    return whole.reshape(*whole.shape[: whole.dim() - len(shape) - len(extra)], -1).movedim(-1, k)
+    # windows merged with whole items (bigconv.ops.windows): the batch in front, a block's rows behind
+    local = moved.reshape(*moved.shape[:-1], lead(shape), *mode.executor.local_shape(shape), trail(shape))
+    local = local.movedim(-1, -len(shape) - 1)  # (..., lead, trail, *windows): the spatial dims last
+    whole = mode.executor.gather_all(local, tuple(shape)).movedim(-len(shape) - 1, -1)
+    return whole.reshape(*whole.shape[: whole.dim() - len(shape) - 2], -1).movedim(-1, k)
 
 
 # -- per-position ops -----------------------------------------------------------------------------
@@ -172,10 +173,46 @@ def _reshape(mode: RuleContext, func, args, kwargs):
         if t == total and _count(target[:k]) == before and _count(target[k + 1:]) == after:
             local = [*target[:k], x.shape[pos], *target[k + 1:]]
             return mark_positions(func(x, local), shape, k - len(target))
-    out = positions_to_map(mode, func, x, shape, dim, target) if isinstance(shape, WindowGrid) else None
-    if out is not None:  # windows (bigconv.ops.windows) back into a map of windows, or split from the batch
+    grid = shape if isinstance(shape, WindowGrid) else WindowGrid(shape)  # an image's positions: no whole items
+    out = positions_to_map(mode, func, x, grid, dim, target)
+    if out is not None:  # back into a map (of windows), or merged with whole dims (bigconv.ops.windows)
         return out
     raise refuse(mode, func, f"it reshapes them into {tuple(target)}, mixing the positions with other dims")
+
+
+def _flatten(mode: RuleContext, func, args, kwargs):
+    """``flatten(start, end)``: the reshape it is (``bigconv.ops.windows`` merges windows with whole dims)."""
+    b = bind(("input", "start_dim", "end_dim"), args, kwargs)
+    x = b["input"]
+    size = global_size(x)
+    if x.dim() == 0:
+        return func(*args, **kwargs)
+    start, end = b.get("start_dim", 0) % x.dim(), b.get("end_dim", -1) % x.dim()
+    target = [*size[:start], _count(size[start:end + 1]), *size[end + 1:]]
+    return _reshape(mode, torch.reshape, (x, target), {})
+
+
+def _pad(mode: RuleContext, func, args, kwargs):
+    """``F.pad`` of dims other than the positions (timm ``HaloAttn``'s relative logits): per position."""
+    b = bind(("input", "pad"), args, kwargs)
+    x, pad = b["input"], list(b["pad"])
+    shape, dim = positions(x)
+    padded = [x.dim() - 1 - i // 2 for i, p in enumerate(pad) if p]
+    if dim % x.dim() in padded:
+        raise refuse(mode, func, "it pads the positions themselves")
+    return mark_positions(func(*args, **kwargs), shape, dim % x.dim() - x.dim())
+
+
+def _expand(mode: RuleContext, func, args, kwargs):
+    """``expand`` of dims other than the positions (their size given as -1 or the whole count)."""
+    x = args[0]
+    sizes = size_args(args[1:]) if len(args) > 1 else list(kwargs["size"])
+    shape, dim = positions(x)
+    k = dim % x.dim() + len(sizes) - x.dim()
+    if sizes[k] not in (-1, global_size(x)[dim]):
+        raise refuse(mode, func, f"it expands the positions to {sizes[k]}")
+    sizes[k] = -1
+    return mark_positions(x.expand(*sizes), shape, dim % x.dim() - x.dim())
 
 
 def _shape_property(mode: RuleContext, func, args, kwargs):
@@ -349,6 +386,9 @@ def _register() -> None:
                        for n in ("permute", "transpose", "swapaxes", "swapdims", "unsqueeze")),
         _squeeze: (torch.squeeze, torch.Tensor.squeeze),
         _reshape: (torch.reshape, torch.Tensor.reshape, torch.Tensor.view),
+        _flatten: (torch.flatten, torch.Tensor.flatten),
+        _pad: (F.pad,),
+        _expand: (torch.Tensor.expand,),
         _size: (torch.Tensor.size,),
         _query: tuple(getattr(torch.Tensor, n) for n in ("dim", "ndimension", "element_size", "is_floating_point",
                                                           "is_contiguous", "get_device", "__format__", "__repr__")),

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..geometry.boxes import all_coords, shard_box
 from .context import RuleContext
 from .dims import int_dims, neg_dims, nonneg_dims
 from .layout import pointwise
-from .shards import bind, global_shape, mark_positions, trailing
+from .shards import bind, global_shape, mark, mark_positions, trailing
 
 _SOME_SPATIAL_FIX = "Reduce over all spatial dims at once, or over batch and channel dims only"
 
@@ -126,6 +127,9 @@ def _over_dim(mode: RuleContext, func, args, kwargs):
     dim = b.get("dim")
     if dim is None and keeps:
         raise mode.unsupported(func, "it runs over all dims of a sharded tensor", "Give dim= a channel dim")
+    if name == "cumsum" and len(int_dims(dim, x.dim())) == 1 and int_dims(dim, x.dim())[0] in nonneg_dims(
+            mode.layout(x), x.dim()):
+        return _prefix_sum(mode, x, int_dims(dim, x.dim())[0], b.get("dtype", kwargs.get("dtype")))
     dims, kind = _classify(mode, func, x, dim)
     if kind == "global":
         if name in ("norm", "vector_norm") and b.get("p", b.get("ord", 2)) in (2, 2.0, "fro", None):
@@ -135,6 +139,34 @@ def _over_dim(mode: RuleContext, func, args, kwargs):
                                "or use sum/mean/amax over all spatial dims")
     keepdim = True if keeps else bool(b.get("keepdim", False))
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), _after(mode, x, dims, keepdim))
+
+
+def _prefix_sum(mode: RuleContext, x: torch.Tensor, dim: int, dtype) -> torch.Tensor:
+    """``cumsum`` along a sharded spatial dim (EdgeNeXt's positional encoding counts rows with it): this shard's
+    own running sum plus the totals of the shards before it along that axis (each shard's last slice, shared
+    by an all-gather, differentiably)."""
+    shape, layout = global_shape(x), mode.layout(x)
+    axis = nonneg_dims(layout, x.dim()).index(dim)
+    local = torch.cumsum(x, dim, dtype=dtype)
+    total = local.narrow(dim, local.shape[dim] - 1, 1)
+    coords = list(all_coords(mode.executor.grid))
+
+    def size(coord):
+        out = list(total.shape)
+        for d, (a, b) in zip(nonneg_dims(layout, x.dim()), shard_box(shape, mode.executor.grid, coord)):
+            out[d] = b - a if d != dim else 1
+        return tuple(out)
+
+    parts = mode.executor.allgather(total, "prefix sum", [size(c) for c in coords])
+    me = mode.executor.coord
+    for c, p in zip(coords, parts):
+        if c == me:
+            continue
+        if c[axis] < me[axis] and all(c[a] == me[a] for a in range(len(me)) if a != axis):
+            local = local + p
+        else:  # in the graph all the same: every part received must send its (zero) gradient back
+            local = local + 0 * p.sum()
+    return mark(local, shape, layout)
 
 
 def _linear(mode: RuleContext, func, args, kwargs):
@@ -167,6 +199,21 @@ def _flatten(mode: RuleContext, func, args, kwargs):
     return func(mode.executor.gather_all(x, shape), *args[1:], **kwargs)
 
 
+def _elementwise_loss(mode: RuleContext, func, args, kwargs):
+    """``F.mse_loss``/``F.l1_loss`` of sharded maps inside forward (MONAI SegResNetVAE's reconstruction loss):
+    the pointwise error, then a global mean or sum over every dim."""
+    b = bind(("input", "target", "size_average", "reduce", "reduction"), args, kwargs)
+    if b.get("size_average") is not None or b.get("reduce") is not None:
+        raise mode.unsupported(func, "of its deprecated size_average/reduce arguments", "Give reduction= instead")
+    reduction = b.get("reduction", "mean")
+    error = pointwise(mode, torch.sub, (b["input"], b["target"]), {})
+    error = pointwise(mode, torch.square if func is F.mse_loss else torch.abs, (error,), {})
+    if reduction == "none":
+        return error
+    return sum_mean(mode, torch.mean if reduction == "mean" else torch.sum, (error, list(range(error.dim()))), {},
+                    mean=reduction == "mean")
+
+
 def _register() -> None:
     table = {
         (lambda m, f, a, k: sum_mean(m, f, a, k, mean=False)): (torch.sum, torch.Tensor.sum, torch.nansum),
@@ -177,6 +224,7 @@ def _register() -> None:
                                    "prod", "norm", "any", "all")) + (F.softmax, F.log_softmax, torch.linalg.vector_norm),
         _linear: (F.linear,),
         _flatten: (torch.flatten, torch.Tensor.flatten),
+        _elementwise_loss: (F.mse_loss, F.l1_loss),
     }
     for rule, funcs in table.items():
         for f in funcs:

@@ -178,32 +178,42 @@ def mark_positions(t: torch.Tensor, shape: Sequence[int], dim: int, gather: bool
 
 class WindowGrid(tuple):
     """The global shape of a window grid whose positions are flattened into one dim together with ``lead``
-    whole items in front (Swin's ``reshape(B * nW, w * w, C)``: the batch before the windows); as the
-    shape of flattened positions (``positions(t)[0]``), it makes that dim ``lead * prod(grid)`` long."""
+    whole items in front (Swin's ``reshape(B * nW, w * w, C)``: the batch before the windows) and ``trail``
+    whole items behind (timm ``HaloAttn``'s relative logits, ``reshape(B * nW * w, w, ...)``: a block's rows
+    after the windows); as the shape of flattened positions (``positions(t)[0]``), it makes that dim
+    ``lead * prod(grid) * trail`` long, in that order (row-major)."""
 
     lead: int
+    trail: int
 
-    def __new__(cls, shape, lead: int = 1):
+    def __new__(cls, shape, lead: int = 1, trail: int = 1):
         grid = super().__new__(cls, tuple(shape))
         grid.lead = int(lead)
+        grid.trail = int(trail)
         return grid
 
     def __eq__(self, other):
-        return tuple.__eq__(self, other) and getattr(other, "lead", 1) == self.lead
+        return (tuple.__eq__(self, other) and getattr(other, "lead", 1) == self.lead
+                and getattr(other, "trail", 1) == self.trail)
 
     def __ne__(self, other):
         return not self == other
 
-    def __hash__(self):
-        return hash((tuple(self), self.lead))
+    def __hash__(self):  # equal to its plain shape's without whole items (an image's positions), as == says
+        return tuple.__hash__(self) if self.lead == self.trail == 1 else hash((tuple(self), self.lead, self.trail))
 
     def __repr__(self):
-        return f"{tuple(self)} windows x {self.lead}"
+        return f"{tuple(self)} windows x {self.lead}" + (f", x {self.trail} after" if self.trail != 1 else "")
 
     def __reduce__(self):
-        return (WindowGrid, (tuple(self), self.lead))
+        return (WindowGrid, (tuple(self), self.lead, self.trail))
 
 
 def lead(shape) -> int:
     """The whole leading count of flattened positions' shape (1 for an image's positions)."""
     return getattr(shape, "lead", 1)
+
+
+def trail(shape) -> int:
+    """The whole trailing count of flattened positions' shape (1 for an image's positions)."""
+    return getattr(shape, "trail", 1)

@@ -12,9 +12,9 @@ from typing import Callable, Mapping
 
 import torch.nn.functional as F
 
-from . import global_attention, layout, norm, positions, random, reduce, roll, subpixel, window, windows
+from . import global_attention, layout, norm, positions, random, reduce, roll, subpixel, unfold, window, windows
 
-MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, global_attention)
+MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, unfold, global_attention)
 
 
 def _merge(name: str) -> Mapping:

@@ -395,3 +395,16 @@ RULES[F.pad] = _pad
 LAYOUT_AWARE.add(F.pad)
 RULES[F.interpolate] = _interpolate
 WHOLE_RULES[F.interpolate] = _interpolate_whole
+
+
+def _grid_sample(mode: RuleContext, func, args, kwargs):
+    """Refused with its true reason: each output samples the input at positions its grid names (a spatial
+    transformer, VoxelMorph's warp), anywhere in the image and known only from the data, so no halo bounds
+    what a shard reads."""
+    raise mode.unsupported(func, "each output samples the input at positions its grid names, anywhere in the image "
+                           "and known only from the data, so no halo bounds what a shard reads",
+                           "Apply the warp outside the parallelized model, to its joined output")
+
+
+RULES[F.grid_sample] = _grid_sample
+LAYOUT_AWARE.add(F.grid_sample)

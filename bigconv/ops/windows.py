@@ -233,39 +233,40 @@ def check_aligned(mode: RuleContext, func, n: int, w: int, axis: int) -> None:
 
 
 def positions_to_map(mode: RuleContext, func, x: torch.Tensor, grid: WindowGrid, dim: int, target: list):
-    """Windows flattened with the batch back into ``(lead, nH, nW)`` (a sharded map of the window grid),
-    or into ``(lead', lead / lead' * nH * nW)`` (still flattened); None if neither."""
+    """A reshape of windows flattened with whole items in front (``grid.lead``) and behind (``grid.trail``):
+    the dims beside the positions merged into them (``(B, nW, w, C) -> (B * nW * w, C)``: the items in
+    front and behind grow), or the positions split into whole items, the windows and whole items (the
+    reverse), or into a map of the windows (``(lead, nH, nW, trail)``: a sharded map again); None if the
+    reshape mixes the windows with anything else."""
     size = list(x.shape)
     pos = dim % x.dim()
-    total = grid.lead * math.prod(grid)
-    size[pos] = total
+    cells = math.prod(grid)
+    size[pos] = grid.lead * cells * grid.trail
     target = resolve(list(target), math.prod(size))
-    before, after = math.prod(size[:pos]), math.prod(size[pos + 1:])
+    found = groups(size, target)
+    if found is None:
+        return None
+    ins, outs = next((i, o) for i, o in found if pos in i)
+    lead = math.prod(size[ins[0]:pos]) * grid.lead  # whole items of the group in front of the windows
+    trail = grid.trail * math.prod(size[pos + 1:ins[-1] + 1])
+    local = list(target)
+    outs = list(outs)
     d = len(grid)
-    for i0 in range(pos):  # whole dims in front merged into the windows: (B, nW, ...) -> (B * nW, ...)
-        k = i0
-        merged = math.prod(size[i0:pos + 1])
-        if (tuple(target[:i0]) == tuple(size[:i0]) and k < len(target) and target[k] == merged
-                and math.prod(target[k + 1:]) == after):
-            local = list(target)
-            local[k] = math.prod(x.shape[i0:pos + 1])
-            return mark_positions(_call(func, x, local), WindowGrid(tuple(grid), merged // math.prod(grid)),
-                                  k - len(target))
-    for k0 in range(len(target)):
-        if math.prod(target[:k0]) != before:
+    for j in range(len(outs) - d + 1):  # the windows as dims of their own: a map of windows
+        front, back = math.prod(target[outs[0]:outs[j]]), math.prod(target[outs[j] + d:outs[-1] + 1])
+        if tuple(target[outs[j]:outs[j] + d]) == tuple(grid) and front == lead and back == trail:
+            local[outs[j]:outs[j] + d] = mode.executor.local_shape(tuple(grid))
+            at = tuple(range(outs[j] - len(target), outs[j] + d - len(target)))
+            return mark(_call(func, x, local), tuple(grid), at)
+    for j in outs:  # the windows inside one dim, whole items around them
+        front = math.prod(target[outs[0]:j])
+        if lead % front or target[j] % (lead // front * cells):
             continue
-        for k1 in range(k0, len(target)):
-            if math.prod(target[k0:k1 + 1]) == total and math.prod(target[k1 + 1:]) == after:
-                local = list(target)
-                if k1 + 1 - k0 >= d and tuple(target[k1 + 1 - d:k1 + 1]) == tuple(grid):  # a map of windows
-                    local[k1 + 1 - d:k1 + 1] = mode.executor.local_shape(tuple(grid))
-                    out = _call(func, x, local)
-                    return mark(out, tuple(grid), tuple(range(k1 + 1 - d - len(target), k1 + 1 - len(target))))
-                cells = math.prod(grid)
-                if target[k1] % cells == 0 and grid.lead % (target[k1] // cells) == 0:
-                    local[k1] = target[k1] // cells * math.prod(mode.executor.local_shape(tuple(grid)))
-                    out = _call(func, x, local)
-                    return mark_positions(out, WindowGrid(tuple(grid), target[k1] // cells), k1 - len(target))
+        inner = target[j] // (lead // front * cells)  # whole items behind the windows in this dim
+        if trail % inner or math.prod(target[j + 1:outs[-1] + 1]) != trail // inner:
+            continue
+        local[j] = target[j] // cells * math.prod(mode.executor.local_shape(tuple(grid)))
+        return mark_positions(_call(func, x, local), WindowGrid(tuple(grid), lead // front, inner), j - len(target))
     return None
 
 
@@ -274,13 +275,13 @@ def _call(func, x, sizes):
 
 
 def local_windows(mode: RuleContext, t: torch.Tensor, grid: WindowGrid, dim: int) -> torch.Tensor:
-    """This shard's windows of ``t``, whose ``dim`` holds every window of the image (with the batch in
-    front, when the grid has a lead), in the flattened order of ``grid``."""
+    """This shard's windows of ``t``, whose ``dim`` holds every window of the image (with whole items in
+    front and behind, when the grid has them), in the flattened order of ``grid``."""
     k = dim % t.dim()
     moved = t.movedim(k, -1)
-    lead = moved.shape[-1] // math.prod(grid)
-    whole = moved.reshape(*moved.shape[:-1], lead, *grid)
-    part = mode.executor.local_part(whole, tuple(grid))
+    lead = moved.shape[-1] // (math.prod(grid) * grid.trail)
+    whole = moved.reshape(*moved.shape[:-1], lead, *grid, grid.trail)
+    part = mode.executor.local_part(whole, tuple(grid), tuple(range(-len(grid) - 1, -1)))
     return part.reshape(*moved.shape[:-1], -1).movedim(-1, k)
 
 
@@ -323,8 +324,19 @@ def _linear(mode: RuleContext, func, args, kwargs):
 
 
 def _normalize(mode: RuleContext, func, args, kwargs):
-    b = bind(("input", "p", "dim"), args, kwargs)
-    return _same(mode, func, args, kwargs, b["input"], [b.get("dim", 1)])
+    """``F.normalize`` over other dims: per position; over the positions (EdgeNeXt's cross-covariance
+    attention normalizes each channel over the image): the norm is a global sum over every shard."""
+    b = bind(("input", "p", "dim", "eps"), args, kwargs)
+    x = b["input"]
+    shape, pos = _pos(x)
+    if b.get("dim", 1) % x.dim() != pos:
+        return _same(mode, func, args, kwargs, x, [b.get("dim", 1)])
+    p = float(b.get("p", 2.0))
+    if not p > 0 or p == float("inf"):
+        raise _refuse(mode, func, f"it takes a {p}-norm over the positions (finite positive p only)")
+    total = mode.executor.allsum(x.abs().pow(p).sum(dim=pos, keepdim=True))
+    norm = total.pow(1 / p).clamp_min(b.get("eps", 1e-12)).expand_as(x)
+    return mark_positions(x / norm, shape, pos - x.dim())
 
 
 def _layer_norm(mode: RuleContext, func, args, kwargs):

@@ -180,6 +180,17 @@ class ModelPart:
         out = self.forward(shard, grad=False)
         outputs.write(path, box_index(box, out.dim()), pyramid.convert(keep, out, out.shape[1]))
 
+    def predict_several(self, shard: ShardCall, targets: list, keep: str = "float") -> None:
+        """``predict`` of a model with several outputs: ``targets[i]`` is ``(zarr array path, this shard's
+        box)`` for output tensor i, or None for one not written (a vector per image)."""
+        from ..data import outputs, pyramid
+
+        leaves = self.forward(shard, grad=False)  # each output as sent: this shard's part of each dense one
+        for t, target in zip(leaves, targets):
+            if target is not None:
+                path, box = target
+                outputs.write(path, box_index(box, t.dim()), pyramid.convert(keep, t, t.shape[1]))
+
     def predict_pyramid(self, shard: ShardCall, root: str, spec, coord) -> None:
         """Level 0 of an OME-Zarr pyramid: this shard's region; kept here for ``pyramid_level``."""
         from ..data import pyramid
