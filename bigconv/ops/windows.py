@@ -279,8 +279,9 @@ def local_windows(mode: RuleContext, t: torch.Tensor, grid: WindowGrid, dim: int
     front and behind, when the grid has them), in the flattened order of ``grid``."""
     k = dim % t.dim()
     moved = t.movedim(k, -1)
-    lead = moved.shape[-1] // (math.prod(grid) * grid.trail)
-    whole = moved.reshape(*moved.shape[:-1], lead, *grid, grid.trail)
+    trail = getattr(grid, "trail", 1)  # plain flattened positions (a ViT's tokens) have no items behind
+    lead = moved.shape[-1] // (math.prod(grid) * trail)
+    whole = moved.reshape(*moved.shape[:-1], lead, *grid, trail)
     part = mode.executor.local_part(whole, tuple(grid), tuple(range(-len(grid) - 1, -1)))
     return part.reshape(*moved.shape[:-1], -1).movedim(-1, k)
 
