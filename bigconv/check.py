@@ -49,7 +49,7 @@ from .geometry.boxes import (
 from .harness import devices
 from .harness.model_spec import FORMS, build_model
 from .ops.shards import (
-    GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, spatial_dims,
+    GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, spatial_dims, trail,
     tree_flatten,
 )
 from .ops import global_attention
@@ -244,7 +244,7 @@ def _work(module: nn.Module, out, n: int) -> tuple[int, int]:
             size[d] = g
     elif positions(out) is not None:
         grid, dim = positions(out)
-        size[dim] = lead(grid) * math.prod(grid)
+        size[dim] = lead(grid) * math.prod(grid) * trail(grid)  # whole items on both sides of the windows
     elements = math.prod(size)
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() == 0:

@@ -43,6 +43,7 @@ from .shards import (
     positions,
     tree_flatten,
 )
+from .shards import trail as items_behind
 
 FIX = ("Window attention needs every shard to hold whole windows: give the map a size along that dim that is a "
        "multiple of the window times the shards along it")
@@ -279,9 +280,9 @@ def local_windows(mode: RuleContext, t: torch.Tensor, grid: WindowGrid, dim: int
     front and behind, when the grid has them), in the flattened order of ``grid``."""
     k = dim % t.dim()
     moved = t.movedim(k, -1)
-    trail = getattr(grid, "trail", 1)  # plain flattened positions (a ViT's tokens) have no items behind
-    lead = moved.shape[-1] // (math.prod(grid) * trail)
-    whole = moved.reshape(*moved.shape[:-1], lead, *grid, trail)
+    behind = items_behind(grid)  # 1 for plain flattened positions (a ViT's tokens)
+    lead = moved.shape[-1] // (math.prod(grid) * behind)
+    whole = moved.reshape(*moved.shape[:-1], lead, *grid, behind)
     part = mode.executor.local_part(whole, tuple(grid), tuple(range(-len(grid) - 1, -1)))
     return part.reshape(*moved.shape[:-1], -1).movedim(-1, k)
 
