@@ -26,6 +26,7 @@ tensors (``bigconv.engine.dry_run``).
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Callable, Sequence
 
@@ -43,6 +44,10 @@ from .shards import (
 )
 from .table import LAYOUT_AWARE, POSITION_PROPERTY_RULES, POSITION_RULES, PROPERTY_RULES, RULES, WHOLE_RULES
 from .windows import on_whole as on_whole_windows
+
+ATTENTION_NAME = re.compile(r"attn|attention|lambda", re.IGNORECASE)
+"""Module class names taken as attention modules by ``hold_fix`` (timm's ``Attention``, ``HaloAttn``,
+``BottleneckAttn``, ``LambdaLayer``; torchvision's ``ShiftedWindowAttention``; MONAI's ``WindowAttention``)."""
 
 
 _ACTIVE = threading.local()
@@ -96,7 +101,12 @@ class ShardMode(TorchFunctionMode):
         stack = self.path.stack if self.path else []
         if len(stack) < 2:  # the root module: holding it whole would be one process's run on every worker
             return ""
-        kind = stack[-1].rsplit("(", 1)[-1].rstrip(")")
+        kinds = [entry.rsplit("(", 1)[-1].rstrip(")") for entry in stack[1:]]
+        # Inside an attention module, the leaf that refuses (a Conv3d over a reshaped map in timm's lambda
+        # layer) is not the module to hold: holding it alone gathers its input and the next op of the
+        # attention refuses again. The innermost attention module around it is.
+        attention = [k for k in kinds[:-1] if ATTENTION_NAME.search(k)]
+        kind = attention[-1] if attention else kinds[-1]
         return (f". Or compute this module whole on every worker (exact; the whole map's memory and compute there, "
                 f"fine for small deep maps): bigconv.hold_whole(model, {kind}) before parallelize")
 
