@@ -28,16 +28,20 @@ class RollCall:
         """The ranks that did not answer within ``wait_s`` (this rank answers at once)."""
         self.calls += 1
         store = dist.PrefixStore(f"bigconv-roll-call/{self.calls}", self.store)
+        seen = {self.rank}
         try:
             store.set(str(self.rank), "here")
             deadline = time.monotonic() + wait_s
             while True:
-                gone = [r for r in range(self.size) if r != self.rank and not store.check([str(r)])]
+                seen |= {r for r in range(self.size) if r not in seen and store.check([str(r)])}
+                gone = [r for r in range(self.size) if r not in seen]
                 if not gone or time.monotonic() >= deadline:
                     return gone
                 time.sleep(POLL_S)
-        except Exception:  # noqa: BLE001 - the store's host (rank 0) is unreachable: it is the one gone
-            return [0]
+        except Exception:  # noqa: BLE001 - the store's host (rank 0) is unreachable
+            # Rank 0 answered and then ended (its own roll call over, its process exiting takes the store
+            # with it): the ones gone are those not seen by then. Otherwise rank 0 is the one gone.
+            return [r for r in range(self.size) if r not in seen] if 0 in seen else [0]
 
     def describe(self, wait_s: float) -> str:
         """A sentence for an error message: who did not answer."""
