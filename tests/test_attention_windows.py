@@ -14,26 +14,16 @@ are refused in the dry run, naming the window and sizes that work.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 from issue37_models import tiny_swin
-from verdicts import assert_exact
+from verdicts import assert_exact, verdict as _verdict
 
 from bigconv.compat import allow_torchvision_without_ops
-from bigconv.verify import compare_training
 
 allow_torchvision_without_ops()  # before torchvision (and timm, which imports it)
-
-
-def _verdict(model, world, x, y, loss=None, grid=(2, 2)):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r = compare_training(model, world, x, y, loss or nn.CrossEntropyLoss(), grid=grid)
-    r.pop("net", None)
-    return r
 
 
 SWIN_SIZES = {

@@ -13,23 +13,13 @@ or at the positions reshapes (``bigconv.ops.windows.positions_to_map``: whole it
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 from issue37_models import NeighbourhoodNet, TimmAttention
-from verdicts import assert_exact
+from verdicts import assert_exact, verdict as _verdict
 
-from bigconv.verify import compare_training
-
-
-def _verdict(model, world, x, y, loss=None, grid=(2, 2)):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        r = compare_training(model, world, x, y, loss or nn.CrossEntropyLoss(), grid=grid)
-    r.pop("net", None)
-    return r
 
 
 DEFAULT = {"halo-1", "k4-even-dilated", "k3-im2col"}

@@ -3,11 +3,24 @@ errors behind it, so that no test rests on the verdict's own bookkeeping alone."
 
 from __future__ import annotations
 
-import torch
+import warnings
 
-from bigconv.verify import ERROR_KEYS, NEGLIGIBLE_ULPS, NOISE_FACTOR, RESIDUE_NOISE
+import torch
+import torch.nn as nn
+
+from bigconv.verify import ERROR_KEYS, NEGLIGIBLE_ULPS, NOISE_FACTOR, RESIDUE_NOISE, compare_training
 
 TOL = 1e-9
+
+
+def verdict(model, world, x, y, loss=None, grid=(2, 2)) -> dict:
+    """``compare_training`` on ``world`` (cross-entropy unless ``loss``), its warnings silenced, without the
+    parallel model it returns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(model, world, x, y, loss or nn.CrossEntropyLoss(), grid=grid)
+    r.pop("net", None)
+    return r
 
 
 def assert_exact(r: dict, tol: float = TOL) -> None:
