@@ -340,7 +340,8 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
         failure = f"{type(exc).__name__}: {exc}"
     _agree(net, failure, method, tmp)
     if method == "gradcam":
-        dist.all_reduce(sums)  # replicas=1: the world is the grid
+        with engine.naming_lost_ranks("Grad-CAM's channel sums"):  # a rank gone is named, not waited for
+            dist.all_reduce(sums)  # replicas=1: the world is the grid
         net._call += 1
         up = cam_map(engine, tuple(plan.grid), net._call, piece, sums / float(torch.tensor(shape).prod()), spatial)
     if fmt is None:
