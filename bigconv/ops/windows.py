@@ -43,6 +43,7 @@ from .shards import (
     positions,
     tree_flatten,
 )
+from .shards import lead as items_before
 from .shards import trail as items_behind
 
 FIX = ("Window attention needs every shard to hold whole windows: give the map a size along that dim that is a "
@@ -399,6 +400,56 @@ def _unbind(mode: RuleContext, func, args, kwargs):
     return outs
 
 
+def _per_item(mode: RuleContext, func, args, kwargs):
+    """A convolution or pooling of windows held as its batch (HIPT's regions, ``(B * nW, C, r, r)``, through
+    ViT-256's patch embedding): each item of the batch on its own, so per position; weights and bias whole."""
+    x = bind(("input",), args, kwargs)["input"]
+    shape, pos = _pos(x)
+    if pos != 0:
+        raise _refuse(mode, func, "the positions are not its batch dim (it would act along them)")
+    if any(positions(t) is not None for t in tree_flatten((args[1:], kwargs))[0] if t is not x):
+        raise _refuse(mode, func, "its weight or bias varies with the positions")
+    out = func(*args, **kwargs)
+    return _mark_all(out, shape, 0)
+
+
+def _cat(mode: RuleContext, func, args, kwargs):
+    """``torch.cat`` along a dim other than the positions (HIPT's class token beside each region's patch tokens,
+    ``cat((cls_token.expand(B * nW, -1, -1), x), dim=1)``, the regions in dim 0): per position. An operand
+    without positions holds every window of the image along that dim (the expand's size comes from a size
+    query, which answers for the whole image, as one process's): this shard's windows of it are joined."""
+    b = bind(("tensors", "dim"), args, kwargs)
+    tensors = list(b["tensors"])
+    flats = [t for t in tensors if positions(t) is not None]
+    marks = {(positions(t)[0], positions(t)[1] % t.dim(), t.dim()) for t in flats}
+    if len(marks) != 1:
+        raise _refuse(mode, func, "its operands hold the positions of different images or in different dims")
+    shape, pos, n = marks.pop()
+    dim = b.get("dim", 0)
+    if not isinstance(dim, int):
+        raise _refuse(mode, func, f"it joins along a named dim {dim!r}")
+    if dim % n == pos:
+        raise _refuse(mode, func, "it joins along the positions themselves")
+    count = items_before(shape) * math.prod(shape) * items_behind(shape)
+    parts = []
+    for t in tensors:
+        if positions(t) is None:
+            if not isinstance(t, torch.Tensor) or t.dim() != n or t.shape[pos] != count:
+                size = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise _refuse(mode, func, f"an operand of shape {size} is not as long as the positions ({count})")
+            t = local_windows(mode, t, shape, pos)
+        parts.append(t)
+    return mark_positions(func(parts, dim), shape, pos - n)
+
+
+def _mark_all(out, shape, pos: int):
+    """Every tensor output marked as flattened positions in dim ``pos`` (>= 0) (a pooling's indices too)."""
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > pos:
+            mark_positions(t, shape, pos - t.dim())
+    return out
+
+
 def _sdpa(mode: RuleContext, func, args, kwargs):
     """``F.scaled_dot_product_attention`` with the windows in a batch dim of q, k and v: per window;
     a mask with a row per window of the image is cut to this shard's windows."""
@@ -434,6 +485,10 @@ def _register() -> None:
         _getitem: (torch.Tensor.__getitem__,),
         _unbind: tuple(getattr(o, n) for o in (torch, torch.Tensor) for n in ("unbind", "chunk", "split")),
         _sdpa: (F.scaled_dot_product_attention,),
+        _cat: tuple(getattr(torch, n) for n in ("cat", "concat", "concatenate") if hasattr(torch, n)),
+        _per_item: tuple(getattr(F, f"{kind}{d}d{tail}") for d in (1, 2, 3) for kind, tail in (
+            ("conv", ""), ("conv_transpose", ""), ("avg_pool", ""), ("max_pool", ""), ("max_pool", "_with_indices"),
+            ("adaptive_avg_pool", ""), ("adaptive_max_pool", ""))),
     }
     for rule, funcs in table.items():
         for f in funcs:

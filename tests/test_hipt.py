@@ -1,0 +1,81 @@
+"""A HIPT-style two-level ViT over windows (issue 37, item 5), written as HIPT writes it, on shards.
+
+``tests/hipt_models.HIPT``: the image unfolded into 64-px regions that become the batch, ViT-256 on them
+(8-px patch embedding by a strided convolution of the regions, a class token per region by
+``cls_token.expand(B * nW, -1, -1)`` and ``torch.cat`` along the tokens, full attention over a region's
+tokens), each region's class-token output laid back on the region grid, ViT-4K with its own class token
+over that grid, a linear head. Against one process in float64 on a 2x2 grid, judged by
+``bigconv.verify.compare_training``'s verdict (``tests/verdicts.py``): forward, input and parameter
+gradients, weights after two steps.
+
+On 256 px (a 4x4 grid of regions) each shard holds 2x2 whole regions: level 1, the compute, runs on
+each shard's own regions with no exchange (``bigconv.ops.windows``: the unfold by whole regions, the
+convolution and the class token's ``cat`` per region); level 2's map of 4x4 region tokens is gathered
+where ViT-4K's class token joins them and runs whole on every shard. A failure points at
+``bigconv.ops.windows`` (``_per_item``, ``_cat``, ``positions_to_map``) or ``bigconv.ops.unfold``. An
+image whose shards cut a region is refused in the dry run, naming the region and the sizes that work.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from hipt_models import HIPT
+from verdicts import assert_exact, verdict
+
+
+def _hipt(grid: int, depth: int = 1) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return HIPT(grid=grid, depth=depth).double()
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_hipt_level_one_split_level_two_whole_exactly(world):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 256, 256, generator=g, dtype=torch.float64)
+    assert_exact(verdict(_hipt(4), world, x, torch.tensor([0, 2])))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_hipt_regions_cut_by_shards_reshard_exactly(world):
+    """320 px: 5 regions of 64 on 2 shards of 160 px cut a region; the unfold takes whole regions (3 and 2)
+    from their owners with an exchange, as a convolution of kernel and stride 64 reads its input."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 3, 320, 320, generator=g, dtype=torch.float64)
+    assert_exact(verdict(_hipt(5), world, x, torch.tensor([1])))
+
+
+class RegionTokens(nn.Module):
+    """A learned token per region (a table of ``nW`` rows, ``repeat``ed over the batch: it varies from region
+    to region, unlike an expanded class token) joined to each region's patch tokens by ``cat`` along the
+    tokens; the regions' pooled tokens back on the region grid, a 1x1 convolution per region."""
+
+    def __init__(self, grid: int = 4, region: int = 8, dim: int = 6) -> None:
+        super().__init__()
+        self.region = region
+        self.embed = nn.Conv2d(1, dim, 4, stride=4)
+        self.region_token = nn.Parameter(torch.randn(grid * grid, 1, dim))
+        self.head = nn.Conv2d(dim, 3, 1)
+
+    def forward(self, x):
+        B, r = x.shape[0], self.region
+        h, w = x.shape[2] // r, x.shape[3] // r
+        regions = x.unfold(2, r, r).unfold(3, r, r).permute(0, 2, 3, 1, 4, 5).reshape(-1, x.shape[1], r, r)
+        tokens = self.embed(regions).flatten(2).transpose(1, 2)
+        tokens = torch.cat((self.region_token.repeat(B, 1, 1), tokens), dim=1)
+        pooled = (tokens.softmax(dim=1) * tokens).sum(dim=1)
+        return self.head(pooled.reshape(B, h, w, -1).permute(0, 3, 1, 2))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_cat_cuts_a_whole_image_operand_to_the_shards_regions(world):
+    """The ``cat`` rule takes this shard's regions of an operand as long as all of them (a region's own token)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 32, 32, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 4, 4), generator=g)
+    assert_exact(verdict(RegionTokens().double(), world, x, y))
