@@ -125,7 +125,8 @@ class HIPT(nn.Module):
         self.model4k = ViT4K(grid, dim256, dim4k, depth, num_heads)
         self.head = nn.Linear(dim4k, num_classes)
 
-    def forward(self, x):
+    def grid_256(self, x):
+        """Steps 2-4 of ``HIPT_4K.forward``: regions as the batch, ViT-256, class tokens on the region grid."""
         B = x.shape[0]
         r = self.region
         w_256, h_256 = x.shape[2] // r, x.shape[3] // r
@@ -133,5 +134,13 @@ class HIPT(nn.Module):
         # rearrange(batch_256, 'b c p1 p2 w h -> (b p1 p2) c w h')
         batch_256 = batch_256.permute(0, 2, 3, 1, 4, 5).reshape(-1, x.shape[1], r, r)
         features_cls256 = self.model256(batch_256)  # [B * w_256 * h_256 x dim256]
-        features_cls256 = features_cls256.reshape(B, w_256, h_256, -1).transpose(1, 2).transpose(1, 3)
-        return self.head(self.model4k(features_cls256))  # [B x dim256 x w_256 x h_256] -> [B x classes]
+        # [B x dim256 x w_256 x h_256]
+        return features_cls256.reshape(B, w_256, h_256, -1).transpose(1, 2).transpose(1, 3)
+
+    def forward(self, x):
+        return self.head(self.model4k(self.grid_256(x)))  # step 5, then the head: [B x classes]
+
+
+def hipt() -> HIPT:
+    """The zoo's HIPT: depth 2 per level (``bigconv.check tests/hipt_models.py:hipt``)."""
+    return HIPT(depth=2)

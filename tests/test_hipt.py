@@ -79,3 +79,46 @@ def test_cat_cuts_a_whole_image_operand_to_the_shards_regions(world):
     x = torch.randn(2, 1, 32, 32, generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (2, 4, 4), generator=g)
     assert_exact(verdict(RegionTokens().double(), world, x, y))
+
+
+class LevelOne(nn.Module):
+    """HIPT up to the region grid (ViT-256 and the class tokens laid on the grid): a dense map of regions."""
+
+    def __init__(self, grid: int) -> None:
+        super().__init__()
+        self.hipt = _hipt(grid)
+
+    def forward(self, x):
+        return self.hipt.grid_256(x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size,exchanged", [(256, False), (320, True)])
+def test_hipt_level_one_exchanges_nothing_when_shards_hold_whole_regions(monkeypatch, size, exchanged):
+    """The dry run's shards send nothing for level 1 when shard edges fall on region edges (256 px: 128-px shards,
+    regions of 64); at 320 px (shards of 160) the unfold takes whole regions from their owners."""
+    from bigconv.engine.dry_run import dry_run, meta_copy
+    from bigconv.transport.rpc import LocalLink
+
+    pushes = []
+    real = LocalLink._push
+    monkeypatch.setattr(LocalLink, "_push", lambda self, dst, key, piece: (pushes.append(key), real(self, dst, key,
+                                                                                                  piece))[1])
+    result = dry_run(meta_copy(LevelOne(size // 64).double()), (2, 2), (1, 3, size, size), torch.float64, True)
+    assert result.out_shape == (size // 64, size // 64)  # the region grid, split over the shards
+    assert bool(pushes) == exchanged, len(pushes)
+
+
+@pytest.mark.timeout(120)
+def test_check_reports_level_one_split_level_two_whole():
+    """``bigconv.check``'s split lines: ViT-256's attention split (each worker its regions), ViT-4K's
+    replicated (its 4x4 region tokens gathered where its class token joins), nearly all compute split."""
+    from bigconv.check import layer_report, split_share
+
+    attention = []
+    rows, error = layer_report(_hipt(4), (1, 3, 256, 256), (2, 2), torch.float64, attention=attention)
+    assert error is None, error
+    strategies = {name: s.split(":")[0] for name, _, s in attention}
+    assert strategies == {"model256.blocks.0.attn": "split", "model4k.blocks.0.attn": "replicated"}, strategies
+    share = split_share(rows)
+    assert share["compute"] > 0.95 and share["replicated_layers"] == 5, share

@@ -265,6 +265,12 @@ def _efficientvit_b0_float64() -> nn.Module:
 # ----------------------------------------------------------------------------------------------------
 # segmentation_models_pytorch
 # ----------------------------------------------------------------------------------------------------
+def _hipt() -> nn.Module:
+    from hipt_models import hipt
+
+    return hipt()
+
+
 def smp_model(arch: str, **kwargs) -> Callable[[], nn.Module]:
     def factory():
         import segmentation_models_pytorch as smp
@@ -666,6 +672,11 @@ ZOO: list[ZooEntry] = [
        note="valid convolutions, center-cropped skip (x[:, :, a:b, c:d]) as in HoVerNet"),
     _e("nn/AttentionPool", "attention-pool", AttentionPoolNet, (2, 1, 30, 26), 3, (1, 3), fast=True,
        note="GlobalContext gate (reshape, softmax over positions, matmul) and an einsum attention-pooling head"),
+    _e("nn/HIPT", "hipt", _hipt, (2, 3, 256, 256), 4, (2, 2),
+       note="HIPT_4K.forward as mahmoodlab/HIPT writes it, scaled down (tests/hipt_models.hipt: 8-px patches, 64-px "
+       "regions, depth 2 per level): the image unfolded into regions that become the batch, ViT-256 per region "
+       "(its class token by expand + cat along the tokens) split with no exchange; ViT-4K over the 4x4 region "
+       "grid gathered where its own class token joins, whole on every worker"),
     _e("timm/gcresnet33ts", "byobnet", timm_model("gcresnet33ts"), (2, 3, 64, 64), 2, (2, 1),
        note="GlobalContext attention (softmax over positions, matmul contracting them)"),
 ]
