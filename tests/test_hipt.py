@@ -81,6 +81,38 @@ def test_cat_cuts_a_whole_image_operand_to_the_shards_regions(world):
     assert_exact(verdict(RegionTokens().double(), world, x, y))
 
 
+
+class RegionCNN(nn.Module):
+    """A tile encoder over the regions held as the batch (CLAM-style patch features): convolutions with zero
+    padding at each region's border, max, average and adaptive pooling, ``flatten``; the features back on the
+    region grid and a convolution across regions (a 3x3 over the grid: a halo of one region)."""
+
+    def __init__(self, region: int = 8, dim: int = 4) -> None:
+        super().__init__()
+        self.region = region
+        self.conv1, self.conv2 = nn.Conv2d(1, dim, 3, padding=1), nn.Conv2d(dim, dim, 3, padding=1)
+        self.head = nn.Conv2d(dim, 3, 3, padding=1)
+
+    def forward(self, x):
+        B, r = x.shape[0], self.region
+        h, w = x.shape[2] // r, x.shape[3] // r
+        tiles = x.unfold(2, r, r).unfold(3, r, r).permute(0, 2, 3, 1, 4, 5).reshape(-1, x.shape[1], r, r)
+        f = nn.functional.max_pool2d(torch.tanh(self.conv1(tiles)), 2)
+        f = nn.functional.avg_pool2d(torch.tanh(self.conv2(f)), 2)
+        f = nn.functional.adaptive_max_pool2d(f, 1).flatten(1)  # [B * h * w x dim]
+        return self.head(f.reshape(B, h, w, -1).permute(0, 3, 1, 2))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_convolutions_and_poolings_of_regions_held_as_the_batch(world):
+    """The per-item rule beyond a patch embedding: padded convolutions and poolings of each region on its own."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 32, 32, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (2, 4, 4), generator=g)
+    assert_exact(verdict(RegionCNN().double(), world, x, y))
+
 class LevelOne(nn.Module):
     """HIPT up to the region grid (ViT-256 and the class tokens laid on the grid): a dense map of regions."""
 
