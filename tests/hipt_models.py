@@ -13,13 +13,21 @@ own class token, blocks, ``x[:, 0]``). Here the same code at a size a CPU runs i
 ViT-4K class token. The region grid's reshape keeps a batch dim (HIPT's is written for one image); for
 batch 1 it is HIPT's.
 
-The only departure from the source is ``rearrange``, written out as the ``permute`` and ``reshape`` it is.
+Written anew from the source's structure; ``rearrange`` is the ``permute`` and ``reshape`` it is.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+
+def position_encoding(pos_embed: torch.Tensor, x: torch.Tensor, w: int, h: int) -> torch.Tensor:
+    """HIPT's ``interpolate_pos_encoding`` at the size its table was built for: the table itself, decided by
+    size queries of the tokens and the map (HIPT resizes the table otherwise; this copy runs at that size)."""
+    if x.shape[1] - 1 != pos_embed.shape[1] - 1 or w != h:
+        raise ValueError(f"built for {pos_embed.shape[1] - 1} tokens of a square map, given {x.shape[1] - 1} of {w}x{h}")
+    return pos_embed
 
 
 class Mlp(nn.Module):
@@ -79,7 +87,7 @@ class ViT256(nn.Module):
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # PatchEmbed.forward
         cls_tokens = self.cls_token.expand(B, -1, -1)
         x = torch.cat((cls_tokens, x), dim=1)
-        return x + self.pos_embed  # interpolate_pos_encoding at the trained size: pos_embed itself
+        return x + position_encoding(self.pos_embed, x, w, h)
 
     def forward(self, x):
         x = self.prepare_tokens(x)
@@ -105,7 +113,7 @@ class ViT4K(nn.Module):
         x = self.phi(x)
         cls_tokens = self.cls_token.expand(B, -1, -1)
         x = torch.cat((cls_tokens, x), dim=1)
-        return x + self.pos_embed
+        return x + position_encoding(self.pos_embed, x, w, h)
 
     def forward(self, x):
         x = self.prepare_tokens(x)

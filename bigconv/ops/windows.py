@@ -20,6 +20,11 @@ back by its inverse; a map with fewer windows than shards along a dim is gathere
 shard (as small maps are) and the window attention runs on whole tensors until they join a sharded
 map, where each shard takes its part. A partition of only some spatial dims at a size whose shards
 cut windows is refused, naming the window and the sizes that work.
+
+Windows held as the batch (HIPT's regions: ``x.unfold`` by whole regions, then ``(B * nW, C, r, r)``) go
+through convolutions and poolings item by item, so per window; ``torch.cat`` of windows' tokens along
+another dim (a class token per window, ``cls_token.expand(B * nW, -1, -1)``) takes this shard's windows
+of an operand as long as all of them. A ``cat`` along the windows themselves stays refused.
 """
 
 from __future__ import annotations
