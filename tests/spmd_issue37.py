@@ -67,9 +67,24 @@ def _ring(grid, replicas: int = 1, batch: int = 2):
     return run
 
 
+def _hipt(grid, replicas: int = 1, batch: int = 2, size: int = 256):
+    """tests/hipt_models.HIPT: regions of 64 px as the batch (level 1 per shard), level 2 gathered whole."""
+    def run(world):
+        from hipt_models import HIPT
+
+        torch.manual_seed(0)
+        model = HIPT(grid=size // 64).double()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, 3, size, size, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (batch,), generator=g)
+        return compare(model, world, x, y, nn.CrossEntropyLoss(), grid=grid, replicas=replicas)
+    return run
+
+
 CASES = {
     "ring/bottleneck/(2,2)": _ring((2, 2)),
     "ring/bottleneck/R2/(2,1)": _ring((2, 1), 2, batch=4),
+    "hipt/R2/(2,1)": _hipt((2, 1), 2, batch=4, size=128),
     "held/swin/(2,2)": _held("swin", (2, 2)),
     "held/halo/R2/(2,1)": _held("halo", (2, 1), 2, batch=4),
     "held/bottleneck/(1,4)": _held("bottleneck", (1, 4)),
