@@ -13,7 +13,8 @@ each shard's own regions with no exchange (``bigconv.ops.windows``: the unfold b
 convolution and the class token's ``cat`` per region); level 2's map of 4x4 region tokens is gathered
 where ViT-4K's class token joins them and runs whole on every shard. A failure points at
 ``bigconv.ops.windows`` (``_per_item``, ``_cat``, ``positions_to_map``) or ``bigconv.ops.unfold``. An
-image whose shards cut a region is refused in the dry run, naming the region and the sizes that work.
+image whose shards cut a region is not refused: the unfold takes whole regions from their owners (an
+exchange, counted in the dry run), and level 1 is exact there too.
 """
 
 from __future__ import annotations
