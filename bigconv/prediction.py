@@ -204,45 +204,26 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
     every rank calls it; rank 0 checks ``out`` and makes the store, every rank writes its region of each
     level (a collective after each, so a level is complete before the next reads it, and every rank
     learns of a failure), rank 0 moves the result into place (and writes an OME-TIFF)."""
-    import torch.distributed as dist
-
     from .geometry.boxes import box_index, coord_of
-    from .transport import WorkerFailure
+    from .runtime import spmd_outputs
 
     kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
                                                                              classes, max_chunk)
-    path = tmp = refused = None
-    if net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
-        try:
-            path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-            if fmt == "zarr":
-                shape = (plan.out_full_shape[0], pyramid.kept_channels(kinds[0], channels), *plan.out_shape)
-                tmp = outputs.begin(path, shape, chunks, pyramid.kept_dtype(kinds[0], dtype, channels))
-            else:
-                tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
-                pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
-        except (ValueError, OSError) as exc:
-            refused = f"{type(exc).__name__}: {exc}"
-    shared = [(path, tmp, refused)]
-    dist.broadcast_object_list(shared, src=0)
-    path, tmp, refused = shared[0]
-    if refused:
-        raise ValueError(f"predict refused on rank 0: {refused}")
+
+    def make() -> tuple[str, str]:  # on rank 0 only; every rank gets its answer
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+        if fmt == "zarr":
+            shape = (plan.out_full_shape[0], pyramid.kept_channels(kinds[0], channels), *plan.out_shape)
+            return path, outputs.begin(path, shape, chunks, pyramid.kept_dtype(kinds[0], dtype, channels))
+        tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
+        pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
+        return path, tmp
+
+    path, tmp = spmd_outputs.made_by_rank_zero(net.world, make, "predict")
     coord = coord_of(net.mesh.shard, plan.grid)
 
     def together(work, what: str) -> None:
-        failure = None
-        try:
-            work()
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        failures = [None] * net.world.size
-        dist.all_gather_object(failures, failure)  # every rank learns who failed, and why
-        bad = [(r, f) for r, f in enumerate(failures) if f]
-        if bad:
-            if net.world.rank == 0:
-                outputs.abandon(tmp)
-            raise WorkerFailure(f"predict ({what}) failed on rank {bad[0][0]}: {bad[0][1]}; {out!r} is as it was")
+        spmd_outputs.together(net.world, work, f"predict ({what})", tmp, f"; {out!r} is as it was")
 
     writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
 
