@@ -61,6 +61,32 @@ def _refusals(folder: str):
     return run
 
 
+def _failed_write(folder: str):
+    """Rank 1's write fails while replacing an earlier prediction: every rank raises naming rank 1, and the
+    earlier prediction stays (the partial group is removed by rank 0)."""
+    def run(world):
+        from bigconv.data import outputs
+
+        net = bigconv.parallelize(case("dict-heads")[0], world, grid=(2, 2))
+        x, out = predict_input(2), os.path.join(folder, "kept.zarr")
+        net.predict(x, out)
+        write = outputs.write
+
+        def full_disk(*args, **kwargs):
+            raise OSError("no space left on device (planted on rank 1)")
+
+        if world.rank == 1:
+            outputs.write = full_disk
+        try:
+            net.predict(2 * x, out, overwrite=True)
+            return {"said": "written"}
+        except Exception as exc:
+            return {"said": f"{type(exc).__name__}: {exc}"}
+        finally:
+            outputs.write = write
+    return run
+
+
 def _timm_halo(world):
     """timm ``HaloAttn`` split by the unfold rule: blocks of 2, a halo of 1, an 8x8 map on 2x2 shards."""
     torch.manual_seed(0)
@@ -101,6 +127,7 @@ TRAINING = {
 def run_cases(folder: str, timeout: float = 60.0) -> dict:
     torch.set_num_threads(1)
     cases = {**{f"predict/{n}": _predict(n, folder) for n in PREDICT}, "predict/refusals": _refusals(folder),
+             "predict/failed-write": _failed_write(folder),
              **TRAINING}
     results = {}
     with bigconv.World.from_env(mode="spmd", device="cpu", timeout=timeout) as world:

@@ -4,7 +4,8 @@
   with an array per dense output, each rank writing its box of every one (and, with replicas, of its
   replica's images); nnU-Net's deep supervision (two scales), HoVerNet's dict, a map beside a vector
   (not written); floats within 1e-12 of one process, labels equal to its argmax; the driver mode's
-  refusals, raised alike on every rank.
+  refusals, raised alike on every rank; a write failing on one rank raised on every rank, the earlier
+  prediction at ``out`` kept (``bigconv.runtime.spmd_outputs``).
 - Training through timm ``HaloAttn`` and neighbourhood attention (``bigconv.ops.unfold``) and EdgeNeXt's
   prefix sums (``bigconv.ops.reduce``): every output, the input gradient, every parameter gradient, the
   losses and every weight after two SGD steps within 1e-9 of one process, each against its own size.
@@ -87,6 +88,23 @@ def test_predict_refusals_on_every_rank(runs):
     assert sorted(os.listdir(folder / "not-ours.zarr")) == ["notes.txt"]  # the user's folder, untouched
     assert not (folder / "p.ome.zarr").exists() and not (folder / "q.zarr").exists()
     assert not [n for n in os.listdir(folder) if "partial" in n]  # every store made was moved into place
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_write_leaves_the_earlier_prediction(runs):
+    import zarr
+
+    folder, _ = runs
+    per_rank = [r["said"] for r in _per_rank(runs, "predict/failed-write")]
+    assert all(said == per_rank[0] for said in per_rank)  # the same error on every rank
+    said = per_rank[0]
+    assert said.startswith("WorkerFailure: predict (several outputs) failed on rank 1: OSError: no space left"), said
+    assert said.endswith("is as it was"), said
+    want = _single(case("dict-heads")[0], cases.predict_input(2))
+    kept = zarr.open_group(str(folder / "kept.zarr"), mode="r")
+    for key in ("hv", "np", "tp"):  # the first prediction's, of x (not of 2 x)
+        assert (torch.from_numpy(kept[key][...]) - want[key]).abs().max() <= 1e-12 * want[key].abs().max(), key
+    assert not [n for n in os.listdir(folder) if "partial" in n]
 
 
 @pytest.mark.timeout(600)
