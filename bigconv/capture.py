@@ -278,6 +278,7 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
     from .engine.step import OutputGradients, StepCommand
     from .geometry.boxes import box_index, coord_of, shard_box
     from .prediction import output_format, pixel_size
+    from .runtime import spmd_outputs
 
     _check_method(net, method, layer)
     if net.replicas != 1:
@@ -297,24 +298,19 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
     if fmt == "ome.zarr":
         pixel, unit = pixel_size(SimpleNamespace(in_shape=spatial, out_shape=spatial), x, mpp)  # the input's grid
         spec = pyramid.spec_for(("float",), 1, dtype, spatial, plan.grid, levels, max_chunk, ome=True)
-    path = tmp = refused = None
-    if fmt is not None and net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
-        try:
-            path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-            if fmt == "zarr":
-                tmp = outputs.begin(path, (batch, 1, *spatial), outputs.aligned_chunks(spatial, plan.grid, max_chunk),
-                                    dtype)
-            else:
-                tmp = outputs.begin_group(path)
-                pyramid.create(tmp, spec, pixel, unit, None, f"{method} of class {targets[0]}")
-        except (ValueError, OSError) as exc:
-            refused = f"{type(exc).__name__}: {exc}"
+
+    def make() -> tuple[str, str]:  # on rank 0 only; every rank gets its answer
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+        if fmt == "zarr":
+            return path, outputs.begin(path, (batch, 1, *spatial), outputs.aligned_chunks(spatial, plan.grid, max_chunk),
+                                       dtype)
+        tmp = outputs.begin_group(path)
+        pyramid.create(tmp, spec, pixel, unit, None, f"{method} of class {targets[0]}")
+        return path, tmp
+
+    path = tmp = None
     if fmt is not None:
-        shared = [(path, tmp, refused)]
-        dist.broadcast_object_list(shared, src=0)
-        path, tmp, refused = shared[0]
-        if refused:
-            raise ValueError(f"{method} refused on rank 0: {refused}")
+        path, tmp = spmd_outputs.made_by_rank_zero(net.world, make, method)
 
     engine = net.engine
     names = [layer] if method == "gradcam" else []
@@ -338,7 +334,7 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
             up = (g if g is not None else torch.zeros_like(engine.last_input)).detach().abs().amax(1, keepdim=True).cpu()
     except Exception as exc:  # every rank learns of a failure before the next collective
         failure = f"{type(exc).__name__}: {exc}"
-    _agree(net, failure, method, tmp)
+    spmd_outputs.agree(net.world, failure, method, tmp)
     if method == "gradcam":
         with engine.naming_lost_ranks("Grad-CAM's channel sums"):  # a rank gone is named, not waited for
             dist.all_reduce(sums)  # replicas=1: the world is the grid
@@ -347,43 +343,20 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
     if fmt is None:
         return shard_step.gather_dense(engine, tuple(plan.grid), up)
     writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
-    failure = None
-    try:
+
+    def first() -> None:
         if writer is None:
             outputs.write(tmp, box_index(shard_box(spatial, plan.grid, coord), len(spatial) + 2), up.numpy())
         else:
             writer.first(up)
-    except Exception as exc:
-        failure = f"{type(exc).__name__}: {exc}"
-    _agree(net, failure, f"{method} (level 0)", tmp)
+
+    spmd_outputs.together(net.world, first, f"{method} (level 0)", tmp)
     for k in range(1, spec.levels if spec is not None else 1):
-        failure = None
-        try:
-            writer.next(k)
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        _agree(net, failure, f"{method} (level {k})", tmp)
+        spmd_outputs.together(net.world, lambda k=k: writer.next(k), f"{method} (level {k})", tmp)
     if net.world.rank == 0:
         outputs.finish(tmp, path)
     net.world.barrier()  # every rank returns once the output is in place
     return path
-
-
-def _agree(net, failure: str | None, what: str, tmp: str | None) -> None:
-    """Every rank learns whether any failed (one collective), and raises naming the first that did; rank 0
-    removes the partial output."""
-    import torch.distributed as dist
-
-    from .data import outputs
-    from .transport import WorkerFailure
-
-    failures = [None] * net.world.size
-    dist.all_gather_object(failures, failure)
-    bad = [(r, f) for r, f in enumerate(failures) if f]
-    if bad:
-        if net.world.rank == 0 and tmp is not None:
-            outputs.abandon(tmp)
-        raise WorkerFailure(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
 
 
 def gradcam_local(model: nn.Module, x: torch.Tensor, layer: str | None = None, target=None, *,

@@ -1,4 +1,5 @@
-"""``predict`` of the driver mode: the workers write a prediction where they compute it.
+"""``predict``: the driver mode's workers (``predict``) or the SPMD ranks (``predict_spmd``) write a prediction
+where they compute it.
 
 Three formats, by the name of ``out``:
 
@@ -10,11 +11,13 @@ Three formats, by the name of ``out``:
 
 A model returning several outputs (a list, tuple or dict: deep supervision, HoVerNet's heads) writes a
 ``NAME.zarr`` group holding an array per dense output, named by its place in the structure (``"0"``,
-``"np"``); vectors per image are not written (driver mode; ``net.full(x)`` returns them).
+``"np"``); vectors per image are not written (``net.full(x)`` returns them). Both modes: the workers or
+the SPMD ranks each write their region of every dense output from one forward.
 
 Whatever the format, nothing the user had is lost (``bigconv.data.outputs``): the output is refused
 before any remote work when it is, holds or lies inside an input or exists without bigconv's mark, and
-it is written under a temporary sibling moved into place when every worker is done.
+it is written under a temporary sibling moved into place when every worker is done. On SPMD ranks, rank 0
+checks ``out`` and makes the store and every rank learns of every failure (``bigconv.runtime.spmd_outputs``).
 """
 
 from __future__ import annotations
@@ -105,30 +108,43 @@ def _check_several(plan, fmt: str, kinds: tuple[str, ...], levels, classes) -> l
     return names
 
 
+def _several_chunks(plan, names: list, max_chunk: int) -> list:
+    """Each written output's chunks (never crossing shards; refused where they cannot be), None where not
+    written."""
+    return [None if n is None else outputs.aligned_chunks(shape, plan.grid, max_chunk)
+            for n, (shape, _) in zip(names, plan.outputs)]
+
+
+def _create_several(tmp: str, plan, names: list, chunks: list, kind: str, dtype: str) -> list:
+    """The arrays of several outputs in the zarr group ``tmp``: for each output ``(its array's path, its
+    spatial shape)``, or None for one not written."""
+    import zarr
+
+    group = zarr.open_group(tmp, mode="r+")
+    arrays = []
+    for name, (shape, full), chunk in zip(names, plan.outputs, chunks):
+        if name is None:
+            arrays.append(None)
+            continue
+        channels = pyramid.kept_channels(kind, full[1])
+        group.create_array(name, shape=(full[0], channels, *shape), chunks=(1, channels, *chunk),
+                           dtype=pyramid.kept_dtype(kind, dtype, full[1]))
+        arrays.append((os.path.join(tmp, name), shape))
+    return arrays
+
+
 def _predict_several(net, x, out, plan, overwrite: bool, max_chunk: int, kind: str, names: list) -> str:
     """``predict`` of a model with several outputs: a zarr group at ``out`` holding an array per dense output
     (``names``), each worker writing its region of every one in the same forward."""
-    import zarr
-
     path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-    dtype = str(SourceBatch(x).dtype if is_source_batch(x) else x.dtype).replace("torch.", "")
-    chunks = [None if n is None else outputs.aligned_chunks(shape, plan.grid, max_chunk)
-              for n, (shape, _) in zip(names, plan.outputs)]  # refused here, before remote work, where they cannot be
+    dtype = _input_dtype(x)
+    chunks = _several_chunks(plan, names, max_chunk)  # refused here, before remote work, where they cannot be
     shards = net._shard_calls(plan, x)
     coords = list(all_coords(plan.grid))
     net.world.check_usable()
     tmp = outputs.begin_group(path)
     try:
-        group = zarr.open_group(tmp, mode="r+")
-        arrays = []
-        for name, (shape, full), chunk in zip(names, plan.outputs, chunks):
-            if name is None:
-                arrays.append(None)
-                continue
-            channels = pyramid.kept_channels(kind, full[1])
-            group.create_array(name, shape=(full[0], channels, *shape), chunks=(1, channels, *chunk),
-                               dtype=pyramid.kept_dtype(kind, dtype, full[1]))
-            arrays.append((os.path.join(tmp, name), shape))
+        arrays = _create_several(tmp, plan, names, chunks, kind, dtype)
         work = [(s, [None if a is None else (a[0], shard_box(a[1], plan.grid, c)) for a in arrays], kind)
                 for s, c in zip(shards, coords)]
         net._wait(net._launch("predict_several", work), f"prediction {shards[0].call} (predict_several)")
@@ -137,6 +153,48 @@ def _predict_several(net, x, out, plan, overwrite: bool, max_chunk: int, kind: s
             outputs.abandon(tmp)
         raise
     return outputs.finish(tmp, path)
+
+
+def _input_dtype(x) -> str:
+    return str(SourceBatch(x).dtype if is_source_batch(x) else x.dtype).replace("torch.", "")
+
+
+def _predict_several_spmd(net, x, out, plan, overwrite: bool, max_chunk: int, kind: str, names: list) -> str:
+    """``predict_spmd`` of a model with several outputs: rank 0 makes the zarr group at ``out`` (an array per
+    dense output, ``names``), every rank writes its region of every one from one forward."""
+    from .engine import step as shard_step
+    from .engine.plan import output_leaves
+    from .geometry.boxes import box_index, coord_of
+    from .runtime import spmd_outputs
+
+    dtype = _input_dtype(x)
+    chunks = _several_chunks(plan, names, max_chunk)  # refused on every rank alike, before the store is made
+
+    def make() -> tuple[str, tuple]:  # on rank 0 only; every rank gets its answer
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+        tmp = outputs.begin_group(path)
+        try:
+            return path, (tmp, _create_several(tmp, plan, names, chunks, kind, dtype))
+        except BaseException:
+            outputs.abandon(tmp)
+            raise
+
+    path, (tmp, arrays) = spmd_outputs.made_by_rank_zero(net.world, make, "predict")
+    coord = coord_of(net.mesh.shard, plan.grid)
+
+    def write() -> None:
+        leaves = output_leaves(shard_step.forward(net.engine, net._shard_call(plan, x), False))
+        for t, array in zip(leaves, arrays):
+            if array is not None:  # this rank's box of the output's own grid, of its replica's images
+                array_path, shape = array
+                outputs.write(array_path, box_index(shard_box(shape, plan.grid, coord), t.dim(), net._items(x)),
+                              pyramid.convert(kind, t, t.shape[1]))
+
+    spmd_outputs.together(net.world, write, "predict (several outputs)", tmp, f"; {out!r} is as it was")
+    if net.world.rank == 0:
+        outputs.finish(tmp, path)
+    net.world.barrier()
+    return path
 
 
 def _prepared(net, x, out, keep, levels, mpp, classes, max_chunk) -> tuple:
@@ -204,45 +262,31 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
     every rank calls it; rank 0 checks ``out`` and makes the store, every rank writes its region of each
     level (a collective after each, so a level is complete before the next reads it, and every rank
     learns of a failure), rank 0 moves the result into place (and writes an OME-TIFF)."""
-    import torch.distributed as dist
-
     from .geometry.boxes import box_index, coord_of
-    from .transport import WorkerFailure
+    from .runtime import spmd_outputs
 
+    plan = net.plan(x)
+    if plan.several:  # the driver mode's checks, on every rank alike
+        kinds = pyramid.check_keep(keep)
+        names = _check_several(plan, output_format(out), kinds, levels, classes)
+        return _predict_several_spmd(net, x, out, plan, overwrite, max_chunk, kinds[0], names)
     kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
                                                                              classes, max_chunk)
-    path = tmp = refused = None
-    if net.world.rank == 0:  # one rank checks and creates; every rank gets its answer
-        try:
-            path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-            if fmt == "zarr":
-                shape = (plan.out_full_shape[0], pyramid.kept_channels(kinds[0], channels), *plan.out_shape)
-                tmp = outputs.begin(path, shape, chunks, pyramid.kept_dtype(kinds[0], dtype, channels))
-            else:
-                tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
-                pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
-        except (ValueError, OSError) as exc:
-            refused = f"{type(exc).__name__}: {exc}"
-    shared = [(path, tmp, refused)]
-    dist.broadcast_object_list(shared, src=0)
-    path, tmp, refused = shared[0]
-    if refused:
-        raise ValueError(f"predict refused on rank 0: {refused}")
+
+    def make() -> tuple[str, str]:  # on rank 0 only; every rank gets its answer
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+        if fmt == "zarr":
+            shape = (plan.out_full_shape[0], pyramid.kept_channels(kinds[0], channels), *plan.out_shape)
+            return path, outputs.begin(path, shape, chunks, pyramid.kept_dtype(kinds[0], dtype, channels))
+        tmp = outputs.begin_group(path if fmt == "ome.zarr" else path + ".zarr")
+        pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
+        return path, tmp
+
+    path, tmp = spmd_outputs.made_by_rank_zero(net.world, make, "predict")
     coord = coord_of(net.mesh.shard, plan.grid)
 
     def together(work, what: str) -> None:
-        failure = None
-        try:
-            work()
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        failures = [None] * net.world.size
-        dist.all_gather_object(failures, failure)  # every rank learns who failed, and why
-        bad = [(r, f) for r, f in enumerate(failures) if f]
-        if bad:
-            if net.world.rank == 0:
-                outputs.abandon(tmp)
-            raise WorkerFailure(f"predict ({what}) failed on rank {bad[0][0]}: {bad[0][1]}; {out!r} is as it was")
+        spmd_outputs.together(net.world, work, f"predict ({what})", tmp, f"; {out!r} is as it was")
 
     writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
 

@@ -71,7 +71,7 @@ SUBLAYERS = {
     ],
     "bigconv.runtime": [
         ["bigconv.runtime.agent", "bigconv.runtime.host", "bigconv.runtime.launch_env", "bigconv.runtime.netbind",
-         "bigconv.runtime.model_part"],
+         "bigconv.runtime.model_part", "bigconv.runtime.spmd_outputs"],
         ["bigconv.runtime.spmd_world", "bigconv.runtime.worker"],
         ["bigconv.runtime.world"],
         ["bigconv.runtime.spmd_launch"],
@@ -97,10 +97,9 @@ and the synthetic slides, then what a worker reads (``sources``: a box of a slid
 ``Link`` interface and the worker's transport state (``__init__``), then the two links. engine: the
 gradient buckets, the executor and the plan, then what runs on them (checkpoint replay, the dry run, a
 shard's engine), then the step every front end runs on it.
-runtime: processes, sockets, the RPC agent, a worker's host and the model part installed on it, then the
-two worlds' workers
-(``worker``, ``spmd_world``), the driver's ``World``, the local launcher of SPMD ranks. spmd: the plan
-agreement, the front end. harness: leaves (and the shard profile of a dry run), then the workloads and the device and op
+runtime: processes, sockets, the RPC agent, a worker's host and the model part installed on it, a store SPMD
+ranks write together (``spmd_outputs``), then the two worlds' workers (``worker``, ``spmd_world``), the
+driver's ``World``, the local launcher of SPMD ranks. spmd: the plan agreement, the front end. harness: leaves (and the shard profile of a dry run), then the workloads and the device and op
 tables, then the cost model, then the runner and the plan search, then the planner's report.
 ``bigconv.ops`` has no row order here: its rules call each other directly (``tests/test_seams.py`` keeps
 ops free of circles and of the concrete mode)."""

@@ -1,0 +1,59 @@
+"""A store every SPMD rank writes a part of (``predict``, ``gradcam`` with ``out=``): rank 0 makes it, and
+every rank learns of every rank's failure before the next step.
+
+Rank 0 alone checks ``out`` and makes the store (two ranks creating one zarr group would race), then
+broadcasts what it made or why it refused, so that every rank returns or raises the same. After each
+stage every rank writes (level 0, then each pyramid level from the one above), one ``all_gather`` of
+each rank's failure (or None) tells every rank whether all succeeded: a level is complete before the
+next reads it, no rank waits at a later collective for one that failed, every rank raises naming the
+first rank that failed, and rank 0 removes the partial store.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ..data import outputs
+from ..transport import WorkerFailure
+
+
+def made_by_rank_zero(world, make: Callable[[], Any], what: str) -> Any:
+    """``make()`` on rank 0 (check ``out``, create the store), its result on every rank; a ValueError or
+    OSError there is raised on every rank as ``ValueError("{what} refused on rank 0: ...")``."""
+    made = refused = None
+    if world.rank == 0:
+        try:
+            made = make()
+        except (ValueError, OSError) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+    shared = [(made, refused)]
+    dist.broadcast_object_list(shared, src=0)
+    made, refused = shared[0]
+    if refused:
+        raise ValueError(f"{what} refused on rank 0: {refused}")
+    return made
+
+
+def agree(world, failure: str | None, what: str, tmp: str | None, after: str = "") -> None:
+    """Every rank learns whether any failed (one collective: ``failure`` is this rank's, or None), and raises
+    ``WorkerFailure("{what} failed on rank R: ...{after}")`` naming the first that did; rank 0 removes the
+    partial store ``tmp``."""
+    failures = [None] * world.size
+    dist.all_gather_object(failures, failure)
+    bad = [(r, f) for r, f in enumerate(failures) if f]
+    if bad:
+        if world.rank == 0 and tmp is not None:
+            outputs.abandon(tmp)
+        raise WorkerFailure(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}{after}")
+
+
+def together(world, work: Callable[[], None], what: str, tmp: str | None, after: str = "") -> None:
+    """``work()`` on every rank, then ``agree`` on whether it failed anywhere."""
+    failure = None
+    try:
+        work()
+    except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+    agree(world, failure, what, tmp, after)
