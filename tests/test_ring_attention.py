@@ -253,3 +253,76 @@ def test_vit_without_class_token_split_by_ring_attention(world):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
     assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))
+
+
+# -- whole tokens in front (a ViT's class token: bigconv.ops.prefix) --------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ring", "gathered"])
+def test_op_with_whole_tokens_in_front_exact(strategy):
+    """Two whole tokens (the same on every shard) in front of each shard's 7x5 positions on uneven 2x2 shards:
+    every query sees their keys once; their own output is the same on every shard (bit for bit by the ring's
+    fixed block order); the cotangent of their output is split unevenly over the shards (each shard's part, the
+    convention of replicated paths), and their q, k, v gradients summed over the shards are one process's."""
+    shape, grid, n = (7, 5), (2, 2), 2
+    q, k, v, _, w = _problem(shape)
+    gen = torch.Generator().manual_seed(5)
+    qp, kp, vp = (torch.randn(3, n, t.shape[-1], generator=gen, dtype=torch.float64) for t in (q, k, v))
+    wp = torch.randn(3, n, v.shape[-1], generator=gen, dtype=torch.float64)
+    coords = list(all_coords(grid))
+    shares = torch.tensor([0.7, -0.2, 0.4, 0.1], dtype=torch.float64)  # sums to 1: the parts of wp
+    full = [torch.cat([a, b], 1) for a, b in ((qp, q), (kp, k), (vp, v))]
+    leaves = [t.clone().requires_grad_(True) for t in full]
+    ref = attend(RingPlan(Alone(2), shape, 0.4, "cpu"), *leaves)
+    ref.backward(torch.cat([wp, w], 1))
+    ref_grads = [t.grad for t in leaves]
+
+    def run(ex, i):
+        rows = _rows(shape, grid, coords[i])
+        mine = [torch.cat([a, b[:, rows]], 1).clone().requires_grad_(True) for a, b in ((qp, q), (kp, k), (vp, v))]
+        out = attend(RingPlan(SimpleNamespace(executor=ex), shape, 0.4, "cpu", prefix=n), *mine, (), strategy)
+        return rows, out, mine
+
+    parts = on_threads(grid, run)
+    cot = [torch.cat([shares[i] * wp, w[:, p[0]]], 1) for i, p in enumerate(parts)]
+    if strategy == "ring":
+        on_threads(grid, lambda ex, i: parts[i][1].backward(cot[i]))
+    else:
+        torch.autograd.backward([p[1] for p in parts], cot)
+    heads = [p[1][:, :n].detach() for p in parts]
+    if strategy == "ring":
+        assert all(torch.equal(h, heads[0]) for h in heads), "the class token differs between shards"
+    assert (heads[0] - ref[:, :n].detach()).abs().max() <= 1e-12 * ref.abs().max()
+    out = torch.empty_like(w)
+    grads = [torch.zeros_like(t) for t in full]
+    for rows, o, mine in parts:
+        out[:, rows] = o[:, n:].detach()
+        for g, leaf in zip(grads, mine):
+            g[:, :n] += leaf.grad[:, :n]
+            g[:, n + rows] = leaf.grad[:, n:]
+    assert (out - ref[:, n:].detach()).abs().max() <= 1e-12 * ref.abs().max()
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert (g - r).abs().max() <= 1e-12 * r.abs().max(), name
+
+
+def _vit(**kw):
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=3, img_size=40, patch_size=8,
+                             embed_dim=16, depth=2, num_heads=2, **kw).double()
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_vit_with_class_token_split_by_ring_attention(world, pool):
+    """timm's ViT as it ships (a class token joined before the patch tokens, ``x[:, 0]`` into the head; or
+    ``avg``, which slices it off): the class token held whole on every shard, the patch tokens split, every
+    block's SDPA by ring passes; 5x5 tokens on 2x2 shards (3/2 by 3/2)."""
+    model = _vit(global_pool=pool)
+    attention = []
+    _, error = layer_report(model, (2, 3, 40, 40), (2, 2), dtype=torch.float64, attention=attention)
+    assert error is None and [s.split(":")[0] for _, _, s in attention] == ["ring", "ring"], (error, attention)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))

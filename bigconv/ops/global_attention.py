@@ -38,7 +38,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..geometry.boxes import all_coords, index_of, shard_box
 from .context import RuleContext
-from .shards import bind, global_shape, mark, mark_positions, positions
+from .shards import bind, global_shape, mark, mark_positions, positions, prefix
 
 STRATEGY_ATTR = "_bigconv_attention"
 """Set on a module (``use``) to choose how its global attention runs: ``ring`` or ``gathered``."""
@@ -99,9 +99,10 @@ def _scores(q, k, scale, tables, qc, kc, shape):
 class RingPlan:
     """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
 
-    def __init__(self, ctx, shape: Sequence[int], scale: float, device) -> None:
-        """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``."""
-        self.ctx, self.shape, self.scale = ctx, tuple(shape), scale
+    def __init__(self, ctx, shape: Sequence[int], scale: float, device, prefix: int = 0) -> None:
+        """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``; ``prefix``: whole tokens
+        (the same on every shard) in front of each shard's queries, keys and values (``bigconv.ops.prefix``)."""
+        self.ctx, self.shape, self.scale, self.prefix = ctx, tuple(shape), scale, int(prefix)
         self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
         self.index = index_of(ctx.executor.coord, self.grid)
@@ -127,33 +128,82 @@ class RingPlan:
         return out
 
 
+class _Online:
+    """The online softmax of a set of queries over blocks of keys: running maximum, sum of exponentials and
+    weighted sum of values, folded block by block."""
+
+    def __init__(self) -> None:
+        self.top = self.total = self.acc = None
+
+    def fold(self, s: torch.Tensor, vb: torch.Tensor) -> None:
+        m = s.amax(-1, keepdim=True)
+        if self.top is None:
+            self.top = m
+            p = torch.exp(s - m)
+            self.total, self.acc = p.sum(-1, keepdim=True), p @ vb
+            return
+        new = torch.maximum(self.top, m)
+        fix, p = torch.exp(self.top - new), torch.exp(s - new)
+        self.total = self.total * fix + p.sum(-1, keepdim=True)
+        self.acc = self.acc * fix + p @ vb
+        self.top = new
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the log-sum-exp."""
+        return self.acc / self.total, self.top + torch.log(self.total)
+
+
+def _in_order(stats: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp of queries from their ``(max, sum, weighted sum)`` per block, combined in
+    the order given: the same on every shard when every shard gives the blocks in one order."""
+    top = functools.reduce(torch.maximum, [m for m, _, _ in stats])
+    total = acc = None
+    for m, t, a in stats:
+        fix = torch.exp(m - top)
+        total = t * fix if total is None else total + t * fix
+        acc = a * fix if acc is None else acc + a * fix
+    return acc / total, top + torch.log(total)
+
+
+def _block_stats(s: torch.Tensor, vb: torch.Tensor) -> tuple:
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    return m, p.sum(-1, keepdim=True), p @ vb
+
+
 class _RingAttention(torch.autograd.Function):
-    """Exact attention of this shard's queries over every shard's keys by ring passes (module doc)."""
+    """Exact attention of this shard's queries over every shard's keys by ring passes (module doc).
+
+    With whole tokens in front (``plan.prefix``, a ViT's class token, the same on every shard): every query
+    sees their keys once, here, besides the ring's blocks; their own queries' output is combined from
+    per-block statistics in one fixed order (the whole tokens' block, then the shards in worker order), so
+    every shard computes the same class token. Their key and value gradients stay here: each shard's part
+    (its own queries', and the whole queries' with this shard's part of their cotangent)."""
 
     @staticmethod
     def forward(ctx, plan: RingPlan, q, k, v, *tables):
+        n = plan.prefix
         qc = plan.coords_of(plan.index)
-        kb, vb, src = k, v, plan.index
-        top = acc = total = None
+        # contiguous: the whole tokens' products then run the same kernel on every shard, whoever's block
+        ql, qp = q[:, n:], q[:, :n].contiguous()
+        kb, vb, src = k[:, n:].contiguous(), v[:, n:].contiguous(), plan.index
+        local, whole = _Online(), {}
+        if n:
+            kp, vp = k[:, :n].contiguous(), v[:, :n].contiguous()
+            local.fold((ql @ kp.transpose(-1, -2)) * plan.scale, vp)
+            whole[-1] = _block_stats((qp @ kp.transpose(-1, -2)) * plan.scale, vp)
         for step in range(plan.size):
-            s = _scores(q, kb, plan.scale, tables, qc, plan.coords_of(src), plan.shape)
-            m = s.amax(-1, keepdim=True)
-            if top is None:
-                top = m
-                p = torch.exp(s - top)
-                total, acc = p.sum(-1, keepdim=True), p @ vb
-            else:
-                new = torch.maximum(top, m)
-                fix, p = torch.exp(top - new), torch.exp(s - new)
-                total = total * fix + p.sum(-1, keepdim=True)
-                acc = acc * fix + p @ vb
-                top = new
-            del s, p
+            kc = plan.coords_of(src)
+            local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape), vb)
+            if n:
+                whole[src] = _block_stats((qp @ kb.transpose(-1, -2)) * plan.scale, vb)
             if step < plan.size - 1:
                 kb, vb = plan.pass_on([kb, vb], src, [k.shape[-1], v.shape[-1]])
                 src = (src - 1) % plan.size
-        out = acc / total
-        lse = top + torch.log(total)
+        out, lse = local.result()
+        if n:
+            out_p, lse_p = _in_order([whole[j] for j in range(-1, plan.size)])
+            out, lse = torch.cat([out_p, out], 1), torch.cat([lse_p, lse], 1)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *tables)
         return out
@@ -162,13 +212,22 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         plan: RingPlan = ctx.plan
         q, k, v, out, lse, *tables = ctx.saved_tensors
+        n = plan.prefix
         qc = plan.coords_of(plan.index)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         dtables = [torch.zeros_like(t) for t in tables]
-        kb, vb, src = k, v, plan.index
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        kb, vb, src = k[:, n:], v[:, n:], plan.index
+        dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+        if n:  # the whole tokens' keys, seen by every query here
+            kp, vp = k[:, :n], v[:, :n]
+            p = torch.exp((q @ kp.transpose(-1, -2)) * plan.scale - lse)
+            dvp = p.transpose(-1, -2) @ dout
+            ds = p * (dout @ vp.transpose(-1, -2) - delta)
+            dq = dq + (ds @ kp) * plan.scale
+            dkp = (ds.transpose(-1, -2) @ q) * plan.scale
+            del p, ds
         widths = [k.shape[-1], v.shape[-1], k.shape[-1], v.shape[-1]]
         for step in range(plan.size):
             kc = plan.coords_of(src)
@@ -178,24 +237,30 @@ class _RingAttention(torch.autograd.Function):
             del p
             dq = dq + (ds @ kb) * plan.scale
             dk = dk + (ds.transpose(-1, -2) @ q) * plan.scale
-            for dt, a, b, n in zip(dtables, qc, kc, plan.shape):
-                dt.scatter_add_(-1, (b[None, :] - a[:, None] + (n - 1)).expand(ds.shape[0], -1, -1), ds)
+            for dt, a, b, m in zip(dtables, qc, kc, plan.shape):
+                dt.scatter_add_(-1, (b[None, :] - a[:, None] + (m - 1)).expand(ds.shape[0], -1, -1), ds)
             del ds
             if step < plan.size - 1:  # the block moves on with its gradients so far
                 kb, vb, dk, dv = plan.pass_on([kb, vb, dk, dv], src, widths)
                 src = (src - 1) % plan.size
         if plan.size > 1:  # the block here is the next shard's: its gradients go home, one more pass
             dk, dv = plan.pass_on([dk, dv], src, widths[2:])
+        if n:
+            dk, dv = torch.cat([dkp, dk], 1), torch.cat([dvp, dv], 1)
         return (None, dq, dk, dv, *dtables)
 
 
 def _gathered(plan: RingPlan, q, k, v, tables):
-    """Every shard's keys and values gathered (differentiably), then plain attention."""
-    kv = torch.cat([k, v], -1)
+    """Every shard's keys and values gathered (differentiably), then plain attention; whole tokens' keys (a
+    class token's, the same on every shard) in front, once."""
+    n = plan.prefix
+    kv = torch.cat([k[:, n:], v[:, n:]], -1)
     parts = plan.ctx.executor.allgather(kv, "keys and values of global attention",
-                         [(kv.shape[0], n, kv.shape[-1]) for n in plan.counts])
+                         [(kv.shape[0], m, kv.shape[-1]) for m in plan.counts])
     whole = torch.cat(parts, 1)
     ks, vs = whole[..., :k.shape[-1]], whole[..., k.shape[-1]:]
+    if n:
+        ks, vs = torch.cat([k[:, :n], ks], 1), torch.cat([v[:, :n], vs], 1)
     kc = [torch.cat(c) for c in zip(*(plan.coords_of(j) for j in range(plan.size)))]
     s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape)
     return torch.softmax(s, -1) @ vs
@@ -330,7 +395,7 @@ def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
     lead = q.shape[:-2]
     g = math.prod(lead)
     scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    plan = RingPlan(mode, tuple(shape), scale, q.device)
+    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape))
     out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]))
     return mark_positions(out.reshape(*lead, *out.shape[-2:]), shape, -2)
 
