@@ -314,15 +314,35 @@ def _vit(**kw):
 
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pool", ["token", "avg"])
-def test_vit_with_class_token_split_by_ring_attention(world, pool):
-    """timm's ViT as it ships (a class token joined before the patch tokens, ``x[:, 0]`` into the head; or
-    ``avg``, which slices it off): the class token held whole on every shard, the patch tokens split, every
-    block's SDPA by ring passes; 5x5 tokens on 2x2 shards (3/2 by 3/2)."""
-    model = _vit(global_pool=pool)
+@pytest.mark.parametrize("kw", [dict(global_pool="token"),
+                                dict(global_pool="avg", reg_tokens=2, no_embed_class=True, dynamic_img_size=True)],
+                         ids=["class-token", "registers-avg-dynamic"])
+def test_vit_with_class_token_split_by_ring_attention(world, kw):
+    """timm's ViT as it ships (a class token joined before the patch tokens, the position embedding's row for it,
+    ``x[:, 0]`` into the head); and with two register tokens too, the position embedding added before the join,
+    built for any size, ``avg`` pooling after slicing the whole tokens off (``x[:, 3:]``): the whole tokens held
+    on every shard, the patch tokens split, every block's SDPA by ring passes; 5x5 tokens on 2x2 shards."""
+    model = _vit(**kw)
     attention = []
     _, error = layer_report(model, (2, 3, 40, 40), (2, 2), dtype=torch.float64, attention=attention)
     assert error is None and [s.split(":")[0] for _, _, s in attention] == ["ring", "ring"], (error, attention)
+    whole = 1 + kw.get("reg_tokens", 0)
+    assert all(f"and {whole} whole token" in s for _, _, s in attention), attention
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))
+
+
+@pytest.mark.zoo
+@pytest.mark.world(4)
+@pytest.mark.timeout(900)
+def test_vit_small_as_it_ships_exact(world):
+    """timm ``vit_small_patch16_224`` with its class token, all 12 blocks and 384 channels, at 64 px (4x4 tokens;
+    ``img_size=64``) on 2x2 shards: forward, gradients and weights after two steps."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=3, img_size=64).double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 64, 64, generator=g, dtype=torch.float64)
     assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))

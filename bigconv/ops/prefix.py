@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .context import RuleContext
-from .shards import Prefixed, bind, global_shape, mark_positions, positions, prefix
+from .shards import Prefixed, bind, global_shape, lead, mark_positions, positions, prefix, trail
 
 FIX = ("Join whole tokens (a class token) only in front of a ViT's patch tokens, along their dim (torch.cat([cls, "
        "x], dim=1)), and read them back by x[:, 0] or drop them by x[:, n:]")
@@ -49,8 +49,8 @@ def _cat(mode: RuleContext, func, args, kwargs):
     shape, pos = positions(x)
     if dim % x.dim() != pos % x.dim():
         raise _refuse(mode, func, "it joins along another dim than the positions")
-    if hasattr(shape, "lead"):  # windows merged with whole items (bigconv.ops.windows)
-        raise _refuse(mode, func, "its positions are windows")
+    if lead(shape) * trail(shape) != 1:  # windows merged with whole items (bigconv.ops.windows)
+        raise _refuse(mode, func, "its positions are windows merged with other dims")
     tokens = tensors[:-1]
     if any(not isinstance(t, torch.Tensor) or global_shape(t) is not None or t.dim() != x.dim() for t in tokens):
         raise _refuse(mode, func, "a tensor in front is not an ordinary tensor of tokens")
