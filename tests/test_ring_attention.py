@@ -315,13 +315,15 @@ def _vit(**kw):
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kw", [dict(global_pool="token"),
-                                dict(global_pool="avg", reg_tokens=2, no_embed_class=True, dynamic_img_size=True)],
-                         ids=["class-token", "registers-avg-dynamic"])
+                                dict(global_pool="avg", reg_tokens=2, no_embed_class=True, dynamic_img_size=True),
+                                dict(global_pool="avg", pool_include_prefix=True)],
+                         ids=["class-token", "registers-avg-dynamic", "avg-with-class-token"])
 def test_vit_with_class_token_split_by_ring_attention(world, kw):
     """timm's ViT as it ships (a class token joined before the patch tokens, the position embedding's row for it,
     ``x[:, 0]`` into the head); and with two register tokens too, the position embedding added before the join,
-    built for any size, ``avg`` pooling after slicing the whole tokens off (``x[:, 3:]``): the whole tokens held
-    on every shard, the patch tokens split, every block's SDPA by ring passes; 5x5 tokens on 2x2 shards."""
+    built for any size, ``avg`` pooling after slicing the whole tokens off (``x[:, 3:]``); and ``avg`` over all
+    tokens, the class token's counted once (``pool_include_prefix``): the whole tokens held on every shard, the
+    patch tokens split, every block's SDPA by ring passes; 5x5 tokens on 2x2 shards."""
     model = _vit(**kw)
     attention = []
     _, error = layer_report(model, (2, 3, 40, 40), (2, 2), dtype=torch.float64, attention=attention)
@@ -361,3 +363,30 @@ def test_vit_with_class_token_under_activation_checkpointing_exact(world):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
     assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))
+
+
+class ClassTokenSoftmaxPool(nn.Module):
+    """Tokens flattened from a map with a class token in front, then a softmax over all tokens (attention pooling
+    that includes the class token): not split with a whole token in front, so the tokens are gathered whole
+    (they came from ``flatten``) with the class token in front, once."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, c, 3, padding=1)
+        self.cls = nn.Parameter(torch.randn(1, 1, c))
+        self.score, self.head = nn.Linear(c, 1), nn.Linear(c, 3)
+
+    def forward(self, x):
+        t = torch.tanh(self.conv(x)).flatten(2).transpose(1, 2)
+        t = torch.cat([self.cls.expand(t.shape[0], -1, -1), t], dim=1)
+        w = torch.softmax(self.score(t), dim=1)
+        return self.head((w * t).sum(1))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_tokens_with_class_token_gathered_exactly_where_not_split(world):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 7, 5, generator=g, dtype=torch.float64)
+    assert_exact(_verdict(ClassTokenSoftmaxPool().double(), world, x, torch.tensor([1, 2])))
