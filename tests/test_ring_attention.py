@@ -390,3 +390,17 @@ def test_tokens_with_class_token_gathered_exactly_where_not_split(world):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 1, 7, 5, generator=g, dtype=torch.float64)
     assert_exact(_verdict(ClassTokenSoftmaxPool().double(), world, x, torch.tensor([1, 2])))
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_vit_with_class_token_on_the_rpc_transport_gathers_exactly(world):
+    """The rpc transport gathers the keys (``ring_in_backward``): the class token's keys join once, in front."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = compare_training(_vit(), world, x, torch.tensor([0, 2]), nn.CrossEntropyLoss(), grid=(2, 2),
+                             transport="rpc")
+    r.pop("net", None)
+    assert_exact(r)

@@ -19,6 +19,13 @@ query at global coordinate ``i`` and a key at ``j`` is, per spatial axis ``a``, 
 + S_a − 1]``; the tables ``q @ rel_aᵀ`` (queries × ``2 S_a − 1``) are computed per shard and the bias
 of each block is gathered from them by the block's global coordinates (``shard_box`` of its owner).
 
+Whole tokens in front (a ViT's class and register tokens, the same on every shard: ``bigconv.ops.prefix``;
+``RingPlan.prefix``): every shard's queries see their keys once, here, and every shard's block by the
+ring; their own queries' output is combined from per-block statistics in one fixed order (theirs, then
+the shards in worker order), so every shard computes the same value from the same inputs. Their
+cotangents are each shard's part (summed over the shards, one process's), so their key and value
+gradients stay on each shard, as parts, and are never passed round the ring.
+
 Entry points: ``attend_map(q, k, v, heads, scale, rel)`` (a torch-function-dispatched call, so the
 ``ShardMode`` sends it to ``_attend_map_rule`` when ``q`` is sharded; one process runs it as it is),
 which ``install`` routes timm's ``BottleneckAttn`` to on a shard; and the positions rule for
