@@ -404,3 +404,24 @@ def test_vit_with_class_token_on_the_rpc_transport_gathers_exactly(world):
                              transport="rpc")
     r.pop("net", None)
     assert_exact(r)
+
+
+@pytest.mark.timeout(120)
+def test_normalize_over_tokens_with_a_class_token_refused_in_the_dry_run():
+    """``F.normalize`` over the tokens sums over every shard's; with a class token in front each shard would count
+    it: refused (tokens made by ``reshape``, so not gathered instead), naming why."""
+
+    class NormalizedTokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.cls, self.head = nn.Conv2d(1, 4, 3, padding=1), nn.Parameter(torch.zeros(1, 1, 4)), \
+                nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.conv(x)
+            t = h.reshape(h.shape[0], h.shape[1], -1).transpose(1, 2)
+            t = F.normalize(torch.cat([self.cls.expand(t.shape[0], -1, -1), t], 1), dim=1)
+            return self.head(t[:, 0])
+
+    _, error = layer_report(NormalizedTokens(), (2, 1, 8, 8), (2, 2))
+    assert error is not None and "whole tokens" in str(error) and "normalize" in str(error), error

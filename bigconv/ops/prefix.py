@@ -97,6 +97,22 @@ def getitem(inner):
     return rule
 
 
+def not_over_whole(inner, dim_at: int, default: int):
+    """``inner`` (a rule of ``bigconv.ops.windows``, ``F.normalize``'s: a sum over the positions on every
+    shard) refused when it reduces over positions behind whole tokens, which each shard would count once;
+    the call's ``dim`` is its argument ``dim_at`` (``default`` when not given)."""
+
+    def rule(mode: RuleContext, func, args, kwargs):
+        x = args[0] if args else kwargs.get("input")
+        mark = positions(x)
+        dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim", default)
+        if mark is not None and prefix(mark[0]) and isinstance(dim, int) and dim % x.dim() == mark[1] % x.dim():
+            raise _refuse(mode, func, "it reduces over them, which each shard would count the whole tokens in")
+        return inner(mode, func, args, kwargs)
+
+    return rule
+
+
 RULES: dict = {}
 WHOLE_RULES: dict = {}
 LAYOUT_AWARE: set = set()
