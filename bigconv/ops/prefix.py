@@ -18,7 +18,10 @@ whole token's contribution once.
 
 Rules here: ``torch.cat`` of ordinary tokens before positions (``cat``), and indexing the whole tokens
 (``x[:, 0]``: an ordinary tensor) or slicing them off (``x[:, 1:]``: the plain positions) (``getitem``,
-around the positions' own rule).
+around the positions' own rule); ``F.normalize`` over the tokens refused (``not_over_whole``). In
+``bigconv.ops.positions``: sums and means over the tokens count the whole ones once; softmax, max,
+logsumexp and contractions over them refuse (tokens made by ``flatten`` are then gathered whole, the
+whole tokens in front, once); reshapes back into a map refuse.
 """
 
 from __future__ import annotations
