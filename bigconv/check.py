@@ -149,6 +149,13 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ())
                   "their keys seen once)") if whole else ""
         return (f"ring: keys and values of all {total} positions passed round the workers, one block at a time"
                 f"{tokens}{held}")
+    if (flat and not any(isinstance(s, WindowGrid) for s in flat) and getattr(module, "latent", None) is not None
+            and outs and all(positions(t) is None for t in outs)):
+        # A pooling head's latent queries, whole on every worker, over split tokens (timm's AttentionPoolLatent)
+        total, whole = math.prod(flat[0]), prefix(flat[0])
+        tokens = f" and {whole} whole token{'s' if whole > 1 else ''}" if whole else ""
+        return (f"ring: whole latent queries over the keys and values of all {total} positions{tokens}, passed "
+                "round the workers one block at a time")
     if any(positions(t) is not None and GATHER_ATTR in t.__dict__ for t in ins):
         return "gathered whole (attention between all positions): every token on every worker"
     if global_attention.is_bottleneck(module) and ins and global_shape(ins[0]) is not None:

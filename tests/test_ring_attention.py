@@ -304,6 +304,48 @@ def test_op_with_whole_tokens_in_front_exact(strategy):
         assert (g - r).abs().max() <= 1e-12 * r.abs().max(), name
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ring", "gathered"])
+def test_op_whole_queries_over_split_keys_exact(strategy):
+    """Three whole queries (a pooling head's latent, the same on every shard) over 7x5 split keys behind one
+    whole key, uneven 2x2 shards: the output the same on every shard, its cotangent split unevenly; gradients
+    summed over the shards are one process's."""
+    shape, grid, nq = (7, 5), (2, 2), 3
+    _, k, v, _, _ = _problem(shape)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, nq, k.shape[-1], generator=gen, dtype=torch.float64)
+    kp, vp = (torch.randn(3, 1, t.shape[-1], generator=gen, dtype=torch.float64) for t in (k, v))
+    w = torch.randn(3, nq, v.shape[-1], generator=gen, dtype=torch.float64)
+    coords = list(all_coords(grid))
+    shares = torch.tensor([0.7, -0.2, 0.4, 0.1], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (q, torch.cat([kp, k], 1), torch.cat([vp, v], 1))]
+    ref = attend(RingPlan(Alone(2), shape, 0.4, "cpu", 1, nq), *leaves)
+    ref.backward(w)
+
+    def run(ex, i):
+        rows = _rows(shape, grid, coords[i])
+        mine = [t.clone().requires_grad_(True) for t in (q, torch.cat([kp, k[:, rows]], 1),
+                                                          torch.cat([vp, v[:, rows]], 1))]
+        out = attend(RingPlan(SimpleNamespace(executor=ex), shape, 0.4, "cpu", 1, nq), *mine, (), strategy)
+        return rows, out, mine
+
+    parts = on_threads(grid, run)
+    if strategy == "ring":
+        on_threads(grid, lambda ex, i: parts[i][1].backward(shares[i] * w))
+        assert all(torch.equal(p[1], parts[0][1]) for p in parts), "the whole queries' output differs between shards"
+    else:
+        torch.autograd.backward([p[1] for p in parts], [shares[i] * w for i in range(len(parts))])
+    assert (parts[0][1].detach() - ref.detach()).abs().max() <= 1e-12 * ref.abs().max()
+    grads = [torch.zeros_like(t) for t in leaves]
+    for rows, _, mine in parts:
+        grads[0] += mine[0].grad
+        for g, leaf in zip(grads[1:], mine[1:]):
+            g[:, :1] += leaf.grad[:, :1]
+            g[:, 1 + rows] = leaf.grad[:, 1:]
+    for name, g, r in zip("qkv", grads, leaves):
+        assert (g - r.grad).abs().max() <= 1e-12 * r.grad.abs().max(), name
+
+
 def _vit(**kw):
     import timm
 
@@ -316,20 +358,24 @@ def _vit(**kw):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kw", [dict(global_pool="token"),
                                 dict(global_pool="avg", reg_tokens=2, no_embed_class=True, dynamic_img_size=True),
-                                dict(global_pool="avg", pool_include_prefix=True)],
-                         ids=["class-token", "registers-avg-dynamic", "avg-with-class-token"])
+                                dict(global_pool="avg", pool_include_prefix=True), dict(global_pool="map")],
+                         ids=["class-token", "registers-avg-dynamic", "avg-with-class-token", "map-head"])
 def test_vit_with_class_token_split_by_ring_attention(world, kw):
     """timm's ViT as it ships (a class token joined before the patch tokens, the position embedding's row for it,
     ``x[:, 0]`` into the head); and with two register tokens too, the position embedding added before the join,
     built for any size, ``avg`` pooling after slicing the whole tokens off (``x[:, 3:]``); and ``avg`` over all
-    tokens, the class token's counted once (``pool_include_prefix``): the whole tokens held on every shard, the
-    patch tokens split, every block's SDPA by ring passes; 5x5 tokens on 2x2 shards."""
+    tokens, the class token's counted once (``pool_include_prefix``); and a ``map`` head (timm's
+    ``AttentionPoolLatent``: its latent queries, whole on every shard, over the split patch tokens by ring
+    passes): the whole tokens held on every shard, the patch tokens split, every block's SDPA by ring passes;
+    5x5 tokens on 2x2 shards."""
     model = _vit(**kw)
     attention = []
     _, error = layer_report(model, (2, 3, 40, 40), (2, 2), dtype=torch.float64, attention=attention)
-    assert error is None and [s.split(":")[0] for _, _, s in attention] == ["ring", "ring"], (error, attention)
+    blocks = [s for name, _, s in attention if name.startswith("blocks.")]
+    assert error is None and all(s.startswith("ring:") for _, _, s in attention), (error, attention)
+    assert len(blocks) == 2 and len(attention) == 2 + (kw["global_pool"] == "map"), attention
     whole = 1 + kw.get("reg_tokens", 0)
-    assert all(f"and {whole} whole token" in s for _, _, s in attention), attention
+    assert all(f"and {whole} whole token" in s for s in blocks), attention
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 40, 40, generator=g, dtype=torch.float64)
     assert_exact(_verdict(model, world, x, torch.tensor([0, 2])))

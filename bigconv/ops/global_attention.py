@@ -106,10 +106,14 @@ def _scores(q, k, scale, tables, qc, kc, shape):
 class RingPlan:
     """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
 
-    def __init__(self, ctx, shape: Sequence[int], scale: float, device, prefix: int = 0) -> None:
+    def __init__(self, ctx, shape: Sequence[int], scale: float, device, prefix: int = 0,
+                 whole_queries: int | None = None) -> None:
         """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``; ``prefix``: whole tokens
-        (the same on every shard) in front of each shard's queries, keys and values (``bigconv.ops.prefix``)."""
+        (the same on every shard) in front of each shard's keys and values (``bigconv.ops.prefix``);
+        ``whole_queries``: those in front of its queries (default ``prefix``; all of them for a pooling
+        head's latent queries over split tokens)."""
         self.ctx, self.shape, self.scale, self.prefix = ctx, tuple(shape), scale, int(prefix)
+        self.whole_queries = self.prefix if whole_queries is None else int(whole_queries)
         self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
         self.index = index_of(ctx.executor.coord, self.grid)
@@ -189,27 +193,28 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: RingPlan, q, k, v, *tables):
-        n = plan.prefix
+        n, nq = plan.prefix, plan.whole_queries
         qc = plan.coords_of(plan.index)
         # contiguous: the whole tokens' products then run the same kernel on every shard, whoever's block
-        ql, qp = q[:, n:], q[:, :n].contiguous()
+        ql, qp = q[:, nq:], q[:, :nq].contiguous()
         kb, vb, src = k[:, n:].contiguous(), v[:, n:].contiguous(), plan.index
         local, whole = _Online(), {}
         if n:
             kp, vp = k[:, :n].contiguous(), v[:, :n].contiguous()
             local.fold((ql @ kp.transpose(-1, -2)) * plan.scale, vp)
-            whole[-1] = _block_stats((qp @ kp.transpose(-1, -2)) * plan.scale, vp)
+            if nq:
+                whole[-1] = _block_stats((qp @ kp.transpose(-1, -2)) * plan.scale, vp)
         for step in range(plan.size):
             kc = plan.coords_of(src)
             local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape), vb)
-            if n:
+            if nq:
                 whole[src] = _block_stats((qp @ kb.transpose(-1, -2)) * plan.scale, vb)
             if step < plan.size - 1:
                 kb, vb = plan.pass_on([kb, vb], src, [k.shape[-1], v.shape[-1]])
                 src = (src - 1) % plan.size
         out, lse = local.result()
-        if n:
-            out_p, lse_p = _in_order([whole[j] for j in range(-1, plan.size)])
+        if nq:
+            out_p, lse_p = _in_order([whole[j] for j in range(-1 if n else 0, plan.size)])
             out, lse = torch.cat([out_p, out], 1), torch.cat([lse_p, lse], 1)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *tables)
@@ -377,10 +382,11 @@ def _bottleneck_forward(m, x):
 
 
 # -- F.scaled_dot_product_attention over flattened positions -------------------------------------------
-def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
+def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse, whole_queries: bool = False):
     """``F.scaled_dot_product_attention`` whose sequence dim (-2) holds an image's flattened positions, in q,
     k and v alike: ring attention, the output's positions where the queries' are. ``refuse(reason)``:
-    the caller's refusal."""
+    the caller's refusal. ``whole_queries``: q is an ordinary tensor, the same on every shard (timm's
+    ``AttentionPoolLatent``): each shard computes the whole output from every block, in one fixed order."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     b = bind(names, args, kwargs)
     q, k, v = b["query"], b["key"], b["value"]
@@ -396,15 +402,16 @@ def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
         raise refuse("grouped-query attention (enable_gqa) is not split")
     if q.dim() < 3 or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
         raise refuse("its query, key and value differ in their batch dims")
-    shape = positions(q)[0]
+    shape = positions(k)[0]
     if isinstance(shape, tuple) and hasattr(shape, "lead") and shape.lead != 1:
         raise refuse("its positions are windows merged with the batch")
     lead = q.shape[:-2]
     g = math.prod(lead)
     scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape))
+    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape), q.shape[-2] if whole_queries else None)
     out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]))
-    return mark_positions(out.reshape(*lead, *out.shape[-2:]), shape, -2)
+    out = out.reshape(*lead, *out.shape[-2:])
+    return out if whole_queries else mark_positions(out, shape, -2)
 
 
 def over_positions(inner):
@@ -416,6 +423,18 @@ def over_positions(inner):
         b = bind(("query", "key", "value"), args, kwargs)
         marks = [positions(t) for t in (b.get("query"), b.get("key"), b.get("value"))]
         tensors = (b["query"], b["key"], b["value"])
+        if marks[0] is None and all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks[1:],
+                                                                                              tensors[1:])):
+            # Whole queries (a pooling head's latent queries, the same on every shard) over split tokens
+            if marks[1][0] != marks[2][0] or global_shape(tensors[0]) is not None:
+                raise mode.unsupported(func, "its keys and values come from images of different shapes, or its "
+                                       "queries are a sharded map", FIX)
+
+            def refuse_whole(reason):
+                return mode.unsupported(func, f"its whole queries attend over an image's flattened positions and "
+                                        f"{reason}", FIX)
+
+            return sdpa_over_positions(mode, func, args, kwargs, refuse_whole, whole_queries=True)
         if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)):
             if len({m[0] for m in marks}) != 1:
                 raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)

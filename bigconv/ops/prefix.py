@@ -62,6 +62,18 @@ def _cat(mode: RuleContext, func, args, kwargs):
     return mark_positions(out, Prefixed(tuple(shape), prefix(shape) + added), pos % x.dim() - x.dim())
 
 
+def _whole_slice(x: torch.Tensor, index, pos: int):
+    """``index`` with a slice ``0:`` (or ``::1``) of the positions' dim written ``:``."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if Ellipsis in index or len(index) <= pos:
+        return index
+    i = index[pos]
+    if isinstance(i, slice) and i.start in (None, 0) and i.stop is None and i.step in (None, 1):
+        return index[:pos] + (slice(None),) + index[pos + 1:]
+    return index
+
+
 def getitem(inner):
     """``x[index]`` of positions behind whole tokens: an int or slice within the whole tokens gives an
     ordinary tensor (the class token, the same on every shard); a slice from the last whole token on
@@ -70,6 +82,9 @@ def getitem(inner):
     def rule(mode: RuleContext, func, args, kwargs):
         x, index = args[0], args[1]
         mark = positions(x)
+        if mark is not None and not prefix(mark[0]):  # x[:, 0:] (timm's x[:, num_prefix_tokens:] without any)
+            whole = _whole_slice(x, index, mark[1] % x.dim())
+            return inner(mode, func, (x, whole) + tuple(args[2:]), kwargs)
         if mark is None or not prefix(mark[0]):
             return inner(mode, func, args, kwargs)
         shape, pos = mark[0], mark[1] % x.dim()
