@@ -49,8 +49,8 @@ from .geometry.boxes import (
 from .harness import devices
 from .harness.model_spec import FORMS, build_model
 from .ops.shards import (
-    GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, spatial_dims, trail,
-    tree_flatten,
+    GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, prefix, spatial_dims,
+    trail, tree_flatten,
 )
 from .ops import global_attention
 from .ops.whole import HOLD_ATTR
@@ -142,10 +142,20 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ())
     flat = [positions(t)[0] for t in ins if positions(t) is not None]
     if (flat and not any(isinstance(s, WindowGrid) for s in flat) and any(positions(t) is not None for t in outs)):
         # Tokens flattened from a map stayed split through the module: its SDPA ran by ring passes
-        total = math.prod(flat[0])
+        total, whole = math.prod(flat[0]), prefix(flat[0])
         extra = tokens_attention_bytes(module, ins, grid)
         held = f" (ring buffers and score tiles {_bytes(extra)} per worker)" if extra else ""
-        return f"ring: keys and values of all {total} positions passed round the workers, one block at a time{held}"
+        tokens = (f", and {whole} whole token{'s' if whole > 1 else ''} in front (class/register: on every worker, "
+                  "their keys seen once)") if whole else ""
+        return (f"ring: keys and values of all {total} positions passed round the workers, one block at a time"
+                f"{tokens}{held}")
+    if (flat and not any(isinstance(s, WindowGrid) for s in flat) and getattr(module, "latent", None) is not None
+            and outs and all(positions(t) is None for t in outs)):
+        # A pooling head's latent queries, whole on every worker, over split tokens (timm's AttentionPoolLatent)
+        total, whole = math.prod(flat[0]), prefix(flat[0])
+        tokens = f" and {whole} whole token{'s' if whole > 1 else ''}" if whole else ""
+        return (f"ring: whole latent queries over the keys and values of all {total} positions{tokens}, passed "
+                "round the workers one block at a time")
     if any(positions(t) is not None and GATHER_ATTR in t.__dict__ for t in ins):
         return "gathered whole (attention between all positions): every token on every worker"
     if global_attention.is_bottleneck(module) and ins and global_shape(ins[0]) is not None:
@@ -175,8 +185,9 @@ def tokens_attention_bytes(module: nn.Module, ins: list, grid: tuple[int, ...]) 
     shape = positions(x)[0]
     block = math.prod(b - a for a, b in shard_box(shape, grid, (0,) * len(grid)))
     batch = x.size(0) if positions(x)[1] % x.dim() != 0 else 1
-    return global_attention.extra_bytes("ring", batch * heads, block, math.prod(shape), block, dim, dim,
-                                        x.element_size())
+    whole = prefix(shape)  # a class token's queries see every block too; its own keys stay put
+    return global_attention.extra_bytes("ring", batch * heads, block + whole, math.prod(shape) + whole, block, dim,
+                                        dim, x.element_size())
 
 
 def _global_strategy(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> str:
@@ -244,7 +255,7 @@ def _work(module: nn.Module, out, n: int) -> tuple[int, int]:
             size[d] = g
     elif positions(out) is not None:
         grid, dim = positions(out)
-        size[dim] = lead(grid) * math.prod(grid) * trail(grid)  # whole items on both sides of the windows
+        size[dim] = lead(grid) * math.prod(grid) * trail(grid) + prefix(grid)  # whole items round the windows
     elements = math.prod(size)
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() == 0:
@@ -554,8 +565,9 @@ def report(r: dict) -> str:
                          "tokens gathered whole for attention between all positions): more workers will not make it "
                          "fit or run faster; see docs/models.md")
             if any(a["strategy"].startswith("replicated") for a in r.get("attention") or []):
-                lines.append("  (a ViT's class token, joined to the patch tokens, gathers them whole: a timm ViT built "
-                             "with class_token=False, global_pool='avg' attends over split tokens by ring attention)")
+                lines.append("  (tokens gathered whole before attention: an op on a ViT's patch tokens that bigconv "
+                             "does not split, named by docs/models.md's ViT section; a timm ViT as it ships, with "
+                             "class and register tokens, attends over split tokens by ring attention)")
     m = r["memory"]
     if m and "error" in m:
         lines += ["", f"Memory: not estimated: {m['error'][-600:]}"]

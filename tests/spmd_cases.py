@@ -145,6 +145,20 @@ CASES: dict = {
 }
 
 
+def _vit_class_token():
+    """timm's ViT with its class token, small (``bigconv.ops.prefix``: the class token whole on every rank)."""
+    from bigconv.compat import allow_torchvision_without_ops
+
+    allow_torchvision_without_ops()
+    import timm
+
+    return timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=3, img_size=40, patch_size=8,
+                             embed_dim=16, depth=2, num_heads=2)
+
+
+CASES["vit/class-token/(2,2)"] = (4, _compare(_vit_class_token, (2, 3, 40, 40), (2, 2)))
+
+
 def zoo_cases() -> dict:
     from zoo import ZOO
 

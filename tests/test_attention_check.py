@@ -1,9 +1,10 @@
 """``bigconv.check`` says how much of a model is split over the workers (issue 37, item 7).
 
-A ViT's blocks run on tokens gathered whole (attention between all positions): "Decomposable: yes"
-alone would hide that every worker computes the whole model. The report gives the share of the
+A model whose tokens are gathered whole (attention between all positions) runs replicated: "Decomposable:
+yes" alone would hide that every worker computes the whole model. The report gives the share of the
 layers' compute and output activations that is split, and warns when most is replicated; Swin's
-window attention (split by ``bigconv.ops.windows``) counts as split, a CNN almost entirely so.
+window attention (split by ``bigconv.ops.windows``) and a ViT's ring attention, class token included,
+count as split, a CNN almost entirely so.
 A failure points at ``bigconv.check``'s ``_work``/``split_share`` or at the layer hook's split test.
 """
 
@@ -30,15 +31,35 @@ def _share(model, shape, grid=(2, 2), attention=None):
 
 
 @pytest.mark.timeout(300)
-def test_vit_reported_mostly_replicated_with_a_warning():
-    attention = []
-    rows, share = _share(_timm("vit_small_patch16_224", img_size=128, depth=2), (1, 3, 128, 128), attention=attention)
+def test_vit_with_class_token_reported_split_its_ring_buffers_counted():
+    """timm's ViT as it ships (class token): its blocks by ring attention, the class token whole in front
+    (``bigconv.ops.prefix``), only the head replicated; the ring's extra bytes count the class token's query."""
+    attention, extra = [], []
+    model = _timm("vit_small_patch16_224", img_size=128, depth=2)
+    rows, error = layer_report(model, (1, 3, 128, 128), (2, 2), attention=attention, attention_bytes=extra)
+    assert error is None, error
+    share = split_share(rows)
     assert [name for name, _, _ in attention] == ["blocks.0.attn", "blocks.1.attn"], attention
-    assert all(s.startswith("replicated") for _, _, s in attention), attention  # tokens gathered at the cls join
-    assert share["compute"] < 0.1 and share["activations"] < 0.1 and share["replicated_layers"] == 9, share
+    assert all(s.startswith("ring:") and "and 1 whole token in front" in s for _, _, s in attention), attention
+    assert share["compute"] > 0.95 and share["activations"] > 0.95 and share["replicated_layers"] == 1, share
+    # 8x8 tokens, 4x4 per worker, 6 heads of 64, float32: two blocks of 16 keys and values with their gradients
+    # in flight, two (16 + 1 class token) x 16 score tiles
+    assert extra == [4 * 6 * (2 * 16 * 2 * 128 + 2 * 17 * 16)] * 2, extra
     text = report({"model": "vit", "input": [1, 3, 128, 128], "workers": 4, "grid": [2, 2], "decomposable": True,
                    "layers": [r.__dict__ for r in rows], "split": share, "memory": None, "exactness": None})
-    assert "Split over the workers: " in text and "WARNING: most of this model runs replicated" in text, text
+    assert "Split over the workers: " in text and "WARNING" not in text, text
+
+
+@pytest.mark.timeout(300)
+def test_mostly_replicated_reported_with_a_warning():
+    """Tokens gathered whole before attention (an op bigconv does not split on them): the warning and its way out."""
+    rows, _ = _share(_timm("resnet18"), (1, 3, 64, 64))
+    share = {"compute": 0.01, "activations": 0.02, "replicated_layers": 9, "layers": 10}
+    attention = [{"module": "blocks.0.attn", "type": "Attention", "strategy": "replicated: its input was already whole"}]
+    text = report({"model": "vit", "input": [1, 3, 128, 128], "workers": 4, "grid": [2, 2], "decomposable": True,
+                   "layers": [r.__dict__ for r in rows], "split": share, "attention": attention, "memory": None,
+                   "exactness": None})
+    assert "WARNING: most of this model runs replicated" in text and "tokens gathered whole before attention" in text
 
 
 @pytest.mark.timeout(300)

@@ -19,6 +19,13 @@ query at global coordinate ``i`` and a key at ``j`` is, per spatial axis ``a``, 
 + S_a − 1]``; the tables ``q @ rel_aᵀ`` (queries × ``2 S_a − 1``) are computed per shard and the bias
 of each block is gathered from them by the block's global coordinates (``shard_box`` of its owner).
 
+Whole tokens in front (a ViT's class and register tokens, the same on every shard: ``bigconv.ops.prefix``;
+``RingPlan.prefix``): every shard's queries see their keys once, here, and every shard's block by the
+ring; their own queries' output is combined from per-block statistics in one fixed order (theirs, then
+the shards in worker order), so every shard computes the same value from the same inputs. Their
+cotangents are each shard's part (summed over the shards, one process's), so their key and value
+gradients stay on each shard, as parts, and are never passed round the ring.
+
 Entry points: ``attend_map(q, k, v, heads, scale, rel)`` (a torch-function-dispatched call, so the
 ``ShardMode`` sends it to ``_attend_map_rule`` when ``q`` is sharded; one process runs it as it is),
 which ``install`` routes timm's ``BottleneckAttn`` to on a shard; and the positions rule for
@@ -38,7 +45,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..geometry.boxes import all_coords, index_of, shard_box
 from .context import RuleContext
-from .shards import bind, global_shape, mark, mark_positions, positions
+from .shards import bind, global_shape, mark, mark_positions, positions, prefix
 
 STRATEGY_ATTR = "_bigconv_attention"
 """Set on a module (``use``) to choose how its global attention runs: ``ring`` or ``gathered``."""
@@ -99,9 +106,14 @@ def _scores(q, k, scale, tables, qc, kc, shape):
 class RingPlan:
     """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
 
-    def __init__(self, ctx, shape: Sequence[int], scale: float, device) -> None:
-        """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``."""
-        self.ctx, self.shape, self.scale = ctx, tuple(shape), scale
+    def __init__(self, ctx, shape: Sequence[int], scale: float, device, prefix: int = 0,
+                 whole_queries: int | None = None) -> None:
+        """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``; ``prefix``: whole tokens
+        (the same on every shard) in front of each shard's keys and values (``bigconv.ops.prefix``);
+        ``whole_queries``: those in front of its queries (default ``prefix``; all of them for a pooling
+        head's latent queries over split tokens)."""
+        self.ctx, self.shape, self.scale, self.prefix = ctx, tuple(shape), scale, int(prefix)
+        self.whole_queries = self.prefix if whole_queries is None else int(whole_queries)
         self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
         self.index = index_of(ctx.executor.coord, self.grid)
@@ -127,33 +139,83 @@ class RingPlan:
         return out
 
 
+class _Online:
+    """The online softmax of a set of queries over blocks of keys: running maximum, sum of exponentials and
+    weighted sum of values, folded block by block."""
+
+    def __init__(self) -> None:
+        self.top = self.total = self.acc = None
+
+    def fold(self, s: torch.Tensor, vb: torch.Tensor) -> None:
+        m = s.amax(-1, keepdim=True)
+        if self.top is None:
+            self.top = m
+            p = torch.exp(s - m)
+            self.total, self.acc = p.sum(-1, keepdim=True), p @ vb
+            return
+        new = torch.maximum(self.top, m)
+        fix, p = torch.exp(self.top - new), torch.exp(s - new)
+        self.total = self.total * fix + p.sum(-1, keepdim=True)
+        self.acc = self.acc * fix + p @ vb
+        self.top = new
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the log-sum-exp."""
+        return self.acc / self.total, self.top + torch.log(self.total)
+
+
+def _in_order(stats: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and log-sum-exp of queries from their ``(max, sum, weighted sum)`` per block, combined in
+    the order given: the same on every shard when every shard gives the blocks in one order."""
+    top = functools.reduce(torch.maximum, [m for m, _, _ in stats])
+    total = acc = None
+    for m, t, a in stats:
+        fix = torch.exp(m - top)
+        total = t * fix if total is None else total + t * fix
+        acc = a * fix if acc is None else acc + a * fix
+    return acc / total, top + torch.log(total)
+
+
+def _block_stats(s: torch.Tensor, vb: torch.Tensor) -> tuple:
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    return m, p.sum(-1, keepdim=True), p @ vb
+
+
 class _RingAttention(torch.autograd.Function):
-    """Exact attention of this shard's queries over every shard's keys by ring passes (module doc)."""
+    """Exact attention of this shard's queries over every shard's keys by ring passes (module doc).
+
+    With whole tokens in front (``plan.prefix``, a ViT's class token, the same on every shard): every query
+    sees their keys once, here, besides the ring's blocks; their own queries' output is combined from
+    per-block statistics in one fixed order (the whole tokens' block, then the shards in worker order), so
+    every shard computes the same class token. Their key and value gradients stay here: each shard's part
+    (its own queries', and the whole queries' with this shard's part of their cotangent)."""
 
     @staticmethod
     def forward(ctx, plan: RingPlan, q, k, v, *tables):
+        n, nq = plan.prefix, plan.whole_queries
         qc = plan.coords_of(plan.index)
-        kb, vb, src = k, v, plan.index
-        top = acc = total = None
+        # contiguous: the whole tokens' products then run the same kernel on every shard, whoever's block
+        ql, qp = q[:, nq:], q[:, :nq].contiguous()
+        kb, vb, src = k[:, n:].contiguous(), v[:, n:].contiguous(), plan.index
+        local, whole = _Online(), {}
+        if n:
+            kp, vp = k[:, :n].contiguous(), v[:, :n].contiguous()
+            local.fold((ql @ kp.transpose(-1, -2)) * plan.scale, vp)
+            if nq:
+                whole[-1] = _block_stats((qp @ kp.transpose(-1, -2)) * plan.scale, vp)
         for step in range(plan.size):
-            s = _scores(q, kb, plan.scale, tables, qc, plan.coords_of(src), plan.shape)
-            m = s.amax(-1, keepdim=True)
-            if top is None:
-                top = m
-                p = torch.exp(s - top)
-                total, acc = p.sum(-1, keepdim=True), p @ vb
-            else:
-                new = torch.maximum(top, m)
-                fix, p = torch.exp(top - new), torch.exp(s - new)
-                total = total * fix + p.sum(-1, keepdim=True)
-                acc = acc * fix + p @ vb
-                top = new
-            del s, p
+            kc = plan.coords_of(src)
+            local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape), vb)
+            if nq:
+                whole[src] = _block_stats((qp @ kb.transpose(-1, -2)) * plan.scale, vb)
             if step < plan.size - 1:
                 kb, vb = plan.pass_on([kb, vb], src, [k.shape[-1], v.shape[-1]])
                 src = (src - 1) % plan.size
-        out = acc / total
-        lse = top + torch.log(total)
+        out, lse = local.result()
+        if nq:
+            out_p, lse_p = _in_order([whole[j] for j in range(-1 if n else 0, plan.size)])
+            out, lse = torch.cat([out_p, out], 1), torch.cat([lse_p, lse], 1)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *tables)
         return out
@@ -162,13 +224,22 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         plan: RingPlan = ctx.plan
         q, k, v, out, lse, *tables = ctx.saved_tensors
+        n = plan.prefix
         qc = plan.coords_of(plan.index)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         dtables = [torch.zeros_like(t) for t in tables]
-        kb, vb, src = k, v, plan.index
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        kb, vb, src = k[:, n:], v[:, n:], plan.index
+        dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+        if n:  # the whole tokens' keys, seen by every query here
+            kp, vp = k[:, :n], v[:, :n]
+            p = torch.exp((q @ kp.transpose(-1, -2)) * plan.scale - lse)
+            dvp = p.transpose(-1, -2) @ dout
+            ds = p * (dout @ vp.transpose(-1, -2) - delta)
+            dq = dq + (ds @ kp) * plan.scale
+            dkp = (ds.transpose(-1, -2) @ q) * plan.scale
+            del p, ds
         widths = [k.shape[-1], v.shape[-1], k.shape[-1], v.shape[-1]]
         for step in range(plan.size):
             kc = plan.coords_of(src)
@@ -178,24 +249,30 @@ class _RingAttention(torch.autograd.Function):
             del p
             dq = dq + (ds @ kb) * plan.scale
             dk = dk + (ds.transpose(-1, -2) @ q) * plan.scale
-            for dt, a, b, n in zip(dtables, qc, kc, plan.shape):
-                dt.scatter_add_(-1, (b[None, :] - a[:, None] + (n - 1)).expand(ds.shape[0], -1, -1), ds)
+            for dt, a, b, m in zip(dtables, qc, kc, plan.shape):
+                dt.scatter_add_(-1, (b[None, :] - a[:, None] + (m - 1)).expand(ds.shape[0], -1, -1), ds)
             del ds
             if step < plan.size - 1:  # the block moves on with its gradients so far
                 kb, vb, dk, dv = plan.pass_on([kb, vb, dk, dv], src, widths)
                 src = (src - 1) % plan.size
         if plan.size > 1:  # the block here is the next shard's: its gradients go home, one more pass
             dk, dv = plan.pass_on([dk, dv], src, widths[2:])
+        if n:
+            dk, dv = torch.cat([dkp, dk], 1), torch.cat([dvp, dv], 1)
         return (None, dq, dk, dv, *dtables)
 
 
 def _gathered(plan: RingPlan, q, k, v, tables):
-    """Every shard's keys and values gathered (differentiably), then plain attention."""
-    kv = torch.cat([k, v], -1)
+    """Every shard's keys and values gathered (differentiably), then plain attention; whole tokens' keys (a
+    class token's, the same on every shard) in front, once."""
+    n = plan.prefix
+    kv = torch.cat([k[:, n:], v[:, n:]], -1)
     parts = plan.ctx.executor.allgather(kv, "keys and values of global attention",
-                         [(kv.shape[0], n, kv.shape[-1]) for n in plan.counts])
+                         [(kv.shape[0], m, kv.shape[-1]) for m in plan.counts])
     whole = torch.cat(parts, 1)
     ks, vs = whole[..., :k.shape[-1]], whole[..., k.shape[-1]:]
+    if n:
+        ks, vs = torch.cat([k[:, :n], ks], 1), torch.cat([v[:, :n], vs], 1)
     kc = [torch.cat(c) for c in zip(*(plan.coords_of(j) for j in range(plan.size)))]
     s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape)
     return torch.softmax(s, -1) @ vs
@@ -305,10 +382,11 @@ def _bottleneck_forward(m, x):
 
 
 # -- F.scaled_dot_product_attention over flattened positions -------------------------------------------
-def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
+def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse, whole_queries: bool = False):
     """``F.scaled_dot_product_attention`` whose sequence dim (-2) holds an image's flattened positions, in q,
     k and v alike: ring attention, the output's positions where the queries' are. ``refuse(reason)``:
-    the caller's refusal."""
+    the caller's refusal. ``whole_queries``: q is an ordinary tensor, the same on every shard (timm's
+    ``AttentionPoolLatent``): each shard computes the whole output from every block, in one fixed order."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     b = bind(names, args, kwargs)
     q, k, v = b["query"], b["key"], b["value"]
@@ -324,15 +402,16 @@ def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse):
         raise refuse("grouped-query attention (enable_gqa) is not split")
     if q.dim() < 3 or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
         raise refuse("its query, key and value differ in their batch dims")
-    shape = positions(q)[0]
+    shape = positions(k)[0]
     if isinstance(shape, tuple) and hasattr(shape, "lead") and shape.lead != 1:
         raise refuse("its positions are windows merged with the batch")
     lead = q.shape[:-2]
     g = math.prod(lead)
     scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    plan = RingPlan(mode, tuple(shape), scale, q.device)
+    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape), q.shape[-2] if whole_queries else None)
     out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]))
-    return mark_positions(out.reshape(*lead, *out.shape[-2:]), shape, -2)
+    out = out.reshape(*lead, *out.shape[-2:])
+    return out if whole_queries else mark_positions(out, shape, -2)
 
 
 def over_positions(inner):
@@ -344,6 +423,18 @@ def over_positions(inner):
         b = bind(("query", "key", "value"), args, kwargs)
         marks = [positions(t) for t in (b.get("query"), b.get("key"), b.get("value"))]
         tensors = (b["query"], b["key"], b["value"])
+        if marks[0] is None and all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks[1:],
+                                                                                              tensors[1:])):
+            # Whole queries (a pooling head's latent queries, the same on every shard) over split tokens
+            if marks[1][0] != marks[2][0] or global_shape(tensors[0]) is not None:
+                raise mode.unsupported(func, "its keys and values come from images of different shapes, or its "
+                                       "queries are a sharded map", FIX)
+
+            def refuse_whole(reason):
+                return mode.unsupported(func, f"its whole queries attend over an image's flattened positions and "
+                                        f"{reason}", FIX)
+
+            return sdpa_over_positions(mode, func, args, kwargs, refuse_whole, whole_queries=True)
         if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)):
             if len({m[0] for m in marks}) != 1:
                 raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)

@@ -27,7 +27,7 @@ from .context import RuleContext
 from .dims import int_dims, size_args
 from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH
 from .reduce import global_extreme
-from .shards import WindowGrid, bind, lead, mark_positions, positions, trail, tree_flatten
+from .shards import WindowGrid, bind, lead, mark_positions, positions, prefix, trail, tree_flatten
 from .windows import local_windows, positions_to_map
 
 
@@ -53,7 +53,26 @@ def _count(shape) -> int:
     n = lead(shape) * trail(shape)  # windows flattened with whole items in front and behind (bigconv.ops.windows)
     for s in shape:
         n *= s
-    return n
+    return n + prefix(shape)  # whole tokens in front (a ViT's class token: bigconv.ops.prefix)
+
+
+def split_prefix(t: torch.Tensor):
+    """``(the whole leading tokens, the rest)`` of flattened positions behind whole tokens (``shards.Prefixed``),
+    the rest marked with the image's plain shape; ``(None, t)`` without them."""
+    shape, dim = positions(t)
+    p = prefix(shape)
+    if not p:
+        return None, t
+    k = dim % t.dim()
+    rest = mark_positions(t.narrow(k, p, t.shape[k] - p), tuple(shape), dim)
+    return t.narrow(k, 0, p), rest
+
+
+def no_prefix(mode: RuleContext, func, t: torch.Tensor) -> None:
+    """Refuse ``func`` on positions behind whole tokens where its rule would count those tokens once per shard."""
+    if prefix(positions(t)[0]):
+        raise refuse(mode, func, "they follow whole tokens every shard holds (a class token), which this reduction "
+                     "over the positions does not handle; slice them off first (x[:, 1:])")
 
 
 def _flat(mode: RuleContext, func, leaves) -> tuple[tuple[int, ...], list]:
@@ -77,6 +96,9 @@ def gather_positions(mode: RuleContext, t):
     anything else as it is."""
     if positions(t) is None:
         return t
+    head, t = split_prefix(t)
+    if head is not None:  # whole tokens in front: every shard holds them already
+        return torch.cat([head, gather_positions(mode, t)], positions(t)[1] % t.dim())
     shape, dim = positions(t)
     k = dim % t.dim()
     moved = t.movedim(k, -1)
@@ -102,10 +124,21 @@ def _pointwise(mode: RuleContext, func, args, kwargs):
                 raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
             # As long as every position, in one process's order (Swin's shifted-window mask, a row per window;
             # a ViT's position embedding over its patch tokens): this shard's part
-            full[id(t)] = local_windows(mode, t, shape, dim)
+            full[id(t)] = _local(mode, t, shape, dim)
     if full:
         args, kwargs = _swap((args, kwargs), full)
     return _mark(func(*args, **kwargs), shape, dim)
+
+
+def _local(mode: RuleContext, t: torch.Tensor, shape, dim: int) -> torch.Tensor:
+    """This shard's part of ``t`` whose ``dim`` holds every position (and the whole tokens in front, a ViT's
+    position embedding of its class token)."""
+    p = prefix(shape)
+    if not p:
+        return local_windows(mode, t, shape, dim)
+    k = dim % t.dim()
+    rest = local_windows(mode, t.narrow(k, p, t.shape[k] - p), tuple(shape), dim)
+    return torch.cat([t.narrow(k, 0, p), rest], k)
 
 
 def _swap(tree, new: dict):
@@ -173,6 +206,8 @@ def _reshape(mode: RuleContext, func, args, kwargs):
         if t == total and _count(target[:k]) == before and _count(target[k + 1:]) == after:
             local = [*target[:k], x.shape[pos], *target[k + 1:]]
             return mark_positions(func(x, local), shape, k - len(target))
+    if prefix(shape):
+        raise refuse(mode, func, f"it reshapes them, behind whole tokens (a class token), into {tuple(target)}")
     grid = shape if isinstance(shape, WindowGrid) else WindowGrid(shape)  # an image's positions: no whole items
     out = positions_to_map(mode, func, x, grid, dim, target)
     if out is not None:  # back into a map (of windows), or merged with whole dims (bigconv.ops.windows)
@@ -249,10 +284,13 @@ def _sum_mean(mode: RuleContext, func, args, kwargs):
     if not over:
         return mark_positions(func(*args, **kwargs), positions(x)[0], _after(x, dims, keepdim))
     extra = {"dtype": b["dtype"]} if "dtype" in b else {}
-    total = mode.executor.allsum(torch.sum(x, dim=dims, keepdim=keepdim, **extra))
+    size = global_size(x)
+    head, rest = split_prefix(x)
+    total = mode.executor.allsum(torch.sum(rest, dim=dims, keepdim=keepdim, **extra))
+    if head is not None:  # whole tokens, on every shard: counted once, their cotangent each shard's own part
+        total = total + torch.sum(head, dim=dims, keepdim=keepdim, **extra)
     if func.__name__ != "mean":
         return total
-    size = global_size(x)
     return total / _count(size[d] for d in dims)
 
 
@@ -270,6 +308,7 @@ def _extreme(mode: RuleContext, func, args, kwargs):
         return _mark(func(*args, **kwargs), positions(x)[0], _after(x, dims, keepdim))
     if name in ("max", "min"):
         raise refuse(mode, func, "its indices would be positions in the whole image, which no shard holds")
+    no_prefix(mode, func, x)
     return global_extreme(mode, x, dims, keepdim, largest)
 
 
@@ -293,6 +332,7 @@ def _softmax(mode: RuleContext, func, args, kwargs):
     dim = b["dim"] % x.dim()
     if dim != pos % x.dim():  # over channels: per position
         return mark_positions(func(*args, **kwargs), shape, pos)
+    no_prefix(mode, func, x)
     if dtype is not None:
         x = mark_positions(x.to(dtype), shape, pos)
     top, total = _log_sum_exp(mode, x, dim)
@@ -311,6 +351,7 @@ def _logsumexp(mode: RuleContext, func, args, kwargs):
         return mark_positions(func(*args, **kwargs), positions(x)[0], _after(x, dims, keepdim))
     if len(dims) != 1:
         raise refuse(mode, func, "it reduces over the positions and other dims at once")
+    no_prefix(mode, func, x)
     top, total = _log_sum_exp(mode, x, dims[0])
     out = top + torch.log(total)
     return out if keepdim else out.squeeze(dims[0])
@@ -329,6 +370,7 @@ def _matmul(mode: RuleContext, func, args, kwargs):
     if contracts_a and contracts_b:
         if pa[0] != pb[0]:
             raise refuse(mode, func, f"they come from images of different shapes {pa[0]} and {pb[0]}")
+        no_prefix(mode, func, a)
         return mode.executor.allsum(func(*args, **kwargs))
     if pa is not None and pb is None and a.dim() >= 2 and b.dim() >= 2 and a_dim == a.dim() - 2:
         return mark_positions(func(*args, **kwargs), pa[0], -2)
@@ -370,6 +412,8 @@ def _einsum(mode: RuleContext, func, args, kwargs):
     letter, shape = letters.pop(), shapes.pop()
     if any(positions(t) is None and letter in term for term, t in zip(terms, operands)):
         raise refuse(mode, func, f"an unflattened operand also runs over the positions' letter {letter!r}")
+    if letter not in output and prefix(shape):
+        no_prefix(mode, func, next(t for t in operands if positions(t) is not None))
     out = func(*args, **kwargs)
     if letter not in output:
         return mode.executor.allsum(out)

@@ -170,7 +170,7 @@ made by ``reshape``/``view`` are refused instead."""
 
 
 def mark_positions(t: torch.Tensor, shape: Sequence[int], dim: int, gather: bool = False) -> torch.Tensor:
-    setattr(t, POSITIONS_ATTR, (shape if isinstance(shape, WindowGrid) else tuple(shape), dim))
+    setattr(t, POSITIONS_ATTR, (shape if isinstance(shape, (WindowGrid, Prefixed)) else tuple(shape), dim))
     if gather:
         setattr(t, GATHER_ATTR, True)
     return t
@@ -207,6 +207,40 @@ class WindowGrid(tuple):
 
     def __reduce__(self):
         return (WindowGrid, (tuple(self), self.lead, self.trail))
+
+
+class Prefixed(tuple):
+    """The global shape of an image's flattened positions behind ``prefix`` tokens that every shard holds
+    whole, in the same dim (a ViT's class and register tokens joined by ``torch.cat`` before its patch
+    tokens: ``bigconv.ops.prefix``): that dim holds the ``prefix`` tokens, then this shard's positions;
+    its global length is ``prefix + prod(shape)``."""
+
+    prefix: int
+
+    def __new__(cls, shape, prefix: int):
+        grid = super().__new__(cls, tuple(shape))
+        grid.prefix = int(prefix)
+        return grid
+
+    def __eq__(self, other):
+        return tuple.__eq__(self, other) and getattr(other, "prefix", 0) == self.prefix
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((tuple(self), "prefix", self.prefix))
+
+    def __repr__(self):
+        return f"{tuple(self)} behind {self.prefix} whole token(s)"
+
+    def __reduce__(self):
+        return (Prefixed, (tuple(self), self.prefix))
+
+
+def prefix(shape) -> int:
+    """How many whole tokens lead flattened positions' dim (0 but for a ``Prefixed`` shape)."""
+    return getattr(shape, "prefix", 0)
 
 
 def lead(shape) -> int:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+import torch
 import torch.nn.functional as F
 
-from . import global_attention, layout, norm, positions, random, reduce, roll, subpixel, unfold, window, windows
+from . import global_attention, layout, norm, positions, prefix, random, reduce, roll, subpixel, unfold, window, windows
 
 MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, unfold, global_attention)
 
@@ -39,7 +40,10 @@ PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
 """Rules for tensor attributes (``x.shape``), by name."""
 LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 """Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
-_POSITIONS = dict(_merge_from((positions, windows), "POSITION_RULES"))
+_POSITIONS = dict(_merge_from((positions, windows, prefix), "POSITION_RULES"))
+# Indexing whole tokens in front of the positions (a ViT's class token: x[:, 0]); the rest, windows' rule.
+_POSITIONS[torch.Tensor.__getitem__] = prefix.getitem(_POSITIONS[torch.Tensor.__getitem__])
+_POSITIONS[F.normalize] = prefix.not_over_whole(_POSITIONS[F.normalize], 2, 1)  # F.normalize(input, p, dim)
 # SDPA over positions in its sequence dim is global attention (ring passes); in a batch dim, windows'.
 _POSITIONS[F.scaled_dot_product_attention] = global_attention.over_positions(
     _POSITIONS[F.scaled_dot_product_attention])
