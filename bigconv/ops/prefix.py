@@ -115,6 +115,21 @@ def getitem(inner):
     return rule
 
 
+def joining(inner):
+    """``torch.cat`` along the dim of an operand's positions: whole tokens joined in front (``_cat``); along
+    another dim (HIPT's class token beside each window's tokens, the windows in the batch): ``inner``,
+    ``bigconv.ops.windows``'s rule."""
+
+    def rule(mode: RuleContext, func, args, kwargs):
+        b = bind(("tensors", "dim"), args, kwargs)
+        dim = b.get("dim", 0)
+        along = [t for t in b["tensors"] if isinstance(t, torch.Tensor) and positions(t) is not None
+                 and isinstance(dim, int) and dim % t.dim() == positions(t)[1] % t.dim()]
+        return (_cat if along else inner)(mode, func, args, kwargs)
+
+    return rule
+
+
 def not_over_whole(inner, dim_at: int, default: int):
     """``inner`` (a rule of ``bigconv.ops.windows``, ``F.normalize``'s: a sum over the positions on every
     shard) refused when it reduces over positions behind whole tokens, which each shard would count once;
@@ -135,5 +150,6 @@ RULES: dict = {}
 WHOLE_RULES: dict = {}
 LAYOUT_AWARE: set = set()
 PROPERTY_RULES: dict = {}
-POSITION_RULES: dict = {torch.cat: _cat, torch.concat: _cat, torch.concatenate: _cat}
-"""Rules for calls given flattened positions (merged with ``bigconv.ops.positions``'s by ``bigconv.ops.table``)."""
+POSITION_RULES: dict = {}
+"""Rules for calls given flattened positions (merged with ``bigconv.ops.positions``'s by ``bigconv.ops.table``);
+``torch.cat`` is not here but wraps ``bigconv.ops.windows``'s (``joining``): one function, one rule."""
