@@ -131,8 +131,9 @@ def _bytes(n: int) -> str:
     return _mib(n) if n >= MiB else f"{n / 1024:,.0f} KiB"
 
 
-def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ()) -> str:
-    """How the shards computed an attention module's call (``bigconv.ops.windows``, ``positions``, ``whole``)."""
+def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = (), setting=None) -> str:
+    """How the shards computed an attention module's call (``bigconv.ops.windows``, ``positions``, ``whole``);
+    ``setting``: the global attention setting that decides for it (``global_attention.setting_in``)."""
     if getattr(module, HOLD_ATTR, False):
         return "held whole (bigconv.hold_whole): the whole map on every worker"
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -143,10 +144,13 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ())
     if (flat and not any(isinstance(s, WindowGrid) for s in flat) and any(positions(t) is not None for t in outs)):
         # Tokens flattened from a map stayed split through the module: its SDPA ran by ring passes
         total, whole = math.prod(flat[0]), prefix(flat[0])
-        extra = tokens_attention_bytes(module, ins, grid)
-        held = f" (ring buffers and score tiles {_bytes(extra)} per worker)" if extra else ""
+        strategy, extra = tokens_attention(module, ins, grid, setting)
         tokens = (f", and {whole} whole token{'s' if whole > 1 else ''} in front (class/register: on every worker, "
                   "their keys seen once)") if whole else ""
+        if strategy == "gathered":
+            held = f" ({_bytes(extra)} per worker for them and the scores)" if extra else ""
+            return f"gathered: keys and values of all {total} positions on every worker{tokens}{held}"
+        held = f" (ring buffers and score tiles {_bytes(extra)} per worker)" if extra else ""
         return (f"ring: keys and values of all {total} positions passed round the workers, one block at a time"
                 f"{tokens}{held}")
     if (flat and not any(isinstance(s, WindowGrid) for s in flat) and getattr(module, "latent", None) is not None
@@ -159,41 +163,54 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = ())
     if any(positions(t) is not None and GATHER_ATTR in t.__dict__ for t in ins):
         return "gathered whole (attention between all positions): every token on every worker"
     if global_attention.is_bottleneck(module) and ins and global_shape(ins[0]) is not None:
-        return _global_strategy(module, ins[0], grid)
+        return _global_strategy(module, ins[0], grid, setting)
     if any(global_shape(t) is not None or positions(t) is not None for t in outs):
         return "split: each worker its own windows (no keys from other workers)"
     return "replicated: its input was already whole on every worker (tokens gathered before it, or a small map)"
 
 
-def global_attention_bytes(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> int:
-    """What worker 0 holds for a global attention module's call beyond its activations (ring buffers and score
-    tiles, or gathered keys and scores: ``bigconv.ops.global_attention.extra_bytes``)."""
-    strategy = getattr(module, global_attention.STRATEGY_ATTR, "ring")
+def _bottleneck_sizes(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> tuple:
+    """``extra_bytes``'s sizes (after its strategy) for a ``BottleneckAttn`` call on worker 0 (the largest)."""
     shape = global_shape(x)
-    block = math.prod(b - a for a, b in shard_box(shape, grid, (0,) * len(grid)))  # worker 0's: the largest
-    return global_attention.extra_bytes(strategy, x.shape[0] * module.num_heads, block, math.prod(shape), block,
-                                        module.dim_head_qk, module.dim_head_v, x.element_size())
+    block = math.prod(b - a for a, b in shard_box(shape, grid, (0,) * len(grid)))
+    return (x.shape[0] * module.num_heads, block, math.prod(shape), block, module.dim_head_qk, module.dim_head_v,
+            x.element_size())
 
 
-def tokens_attention_bytes(module: nn.Module, ins: list, grid: tuple[int, ...]) -> int:
-    """The ring's extra bytes on worker 0 for an attention module over tokens flattened from a map (timm's
-    ``Attention``: ``num_heads`` and ``head_dim``); 0 when the module does not say its heads."""
+def global_attention_bytes(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...], setting=None) -> int:
+    """What worker 0 holds for a global attention module's call beyond its activations (ring buffers and score
+    tiles, or gathered keys and scores: ``bigconv.ops.global_attention.extra_bytes``), under ``setting``
+    (``global_attention.use``'s, ``setting_in``)."""
+    sizes = _bottleneck_sizes(module, x, grid)
+    return global_attention.extra_bytes(global_attention.choose(setting, *sizes), *sizes)
+
+
+def tokens_attention(module: nn.Module, ins: list, grid: tuple[int, ...], setting=None) -> tuple[str, int]:
+    """The strategy (``global_attention.choose`` under ``setting``) and extra bytes on worker 0 for an attention
+    module over tokens flattened from a map (timm's ``Attention``: ``num_heads`` and ``head_dim``); the setting's
+    strategy and 0 bytes when the module does not say its heads."""
     heads, dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
     x = next((t for t in ins if positions(t) is not None), None)
     if not isinstance(heads, int) or not isinstance(dim, int) or x is None:
-        return 0
+        return (setting or ("ring",))[0], 0
     shape = positions(x)[0]
     block = math.prod(b - a for a, b in shard_box(shape, grid, (0,) * len(grid)))
     batch = x.size(0) if positions(x)[1] % x.dim() != 0 else 1
     whole = prefix(shape)  # a class token's queries see every block too; its own keys stay put
-    return global_attention.extra_bytes("ring", batch * heads, block + whole, math.prod(shape) + whole, block, dim,
-                                        dim, x.element_size())
+    sizes = (batch * heads, block + whole, math.prod(shape) + whole, block, dim, dim, x.element_size())
+    strategy = global_attention.choose(setting, *sizes)
+    return strategy, global_attention.extra_bytes(strategy, *sizes)
 
 
-def _global_strategy(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> str:
+def tokens_attention_bytes(module: nn.Module, ins: list, grid: tuple[int, ...], setting=None) -> int:
+    """``tokens_attention``'s bytes."""
+    return tokens_attention(module, ins, grid, setting)[1]
+
+
+def _global_strategy(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...], setting=None) -> str:
     """Ring or gathered attention over every position (``bigconv.ops.global_attention``), with what it holds."""
-    strategy = getattr(module, global_attention.STRATEGY_ATTR, "ring")
-    total, extra = math.prod(global_shape(x)), global_attention_bytes(module, x, grid)
+    strategy = global_attention.choose(setting, *_bottleneck_sizes(module, x, grid))
+    total, extra = math.prod(global_shape(x)), global_attention_bytes(module, x, grid, setting)
     if strategy == "gathered":
         return (f"gathered: keys and values of all {total} positions on every worker ({_bytes(extra)} per worker for "
                 "them and the scores)")
@@ -216,13 +233,14 @@ def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...]
                 _is_attention(m) for m in list(module.modules())[1:]):  # a block holding one: its attention is named
             def attn_hook(mod, args, out, name=name):
                 if threading.current_thread().name == "bigconv-dry-run-0":
-                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out, grid)))
+                    setting = global_attention.setting_in(planner.meta, name)
+                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out, grid, setting)))
                     if attention_bytes is not None and args and global_attention.is_bottleneck(mod):
                         if global_shape(args[0]) is not None:
-                            attention_bytes.append(global_attention_bytes(mod, args[0], grid))
-                    elif attention_bytes is not None and attention[-1][2].startswith("ring"):
+                            attention_bytes.append(global_attention_bytes(mod, args[0], grid, setting))
+                    elif attention_bytes is not None and attention[-1][2].startswith(("ring", "gathered:")):
                         ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-                        attention_bytes.append(tokens_attention_bytes(mod, ins, grid))
+                        attention_bytes.append(tokens_attention_bytes(mod, ins, grid, setting))
             handles.append(module.register_forward_hook(attn_hook))
         if windows(module, n) is not None or isinstance(module, nn.Linear):
             def hook(mod, args, out, name=name):

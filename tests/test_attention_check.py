@@ -109,3 +109,47 @@ def test_memory_hint_for_a_model_built_for_one_size():
         timm_error, (128, 256))
     other = "Expected more than 1 value per channel when training"
     assert memory_hint(other, (128, 256)) == "try larger --memory-edges"
+
+
+@pytest.mark.timeout(300)
+def test_auto_attention_gathers_where_the_stated_memory_holds_the_keys(monkeypatch):
+    """``use(model, "auto", memory=M)``: each global attention call gathers its keys where the largest shard's
+    gathered keys and scores fit ``M`` bytes, else runs the ring; ``check`` names the choice per layer, and the
+    dry run's shards call what it names (counted in the rule: ``_gathered`` and ``_RingAttention.apply``)."""
+    import torch
+
+    from bigconv.engine.dry_run import dry_run, meta_copy
+    from bigconv.ops import global_attention as ga
+
+    model = _timm("botnet26t_256")
+    with pytest.raises(ValueError, match="goes with strategy 'auto'"):
+        ga.use(model, "auto")
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        ga.use(model, "auto", memory=-1)
+    # botnet's largest attention gathered (stages.3.0: a 16x16 map, 8x8 per worker, 4 heads of 128) holds
+    # 4*4*(256*256 + 2*64*256) bytes = 1.5 MiB (test above); the other two hold less: 1 MiB lets those two
+    # gather and keeps the largest on the ring
+    ga.use(model, "auto", memory=2**20)
+    attention, extra = [], []
+    rows, error = layer_report(model, (1, 3, 256, 256), (2, 2), attention=attention, attention_bytes=extra)
+    assert error is None, error
+    named = {n: s.split(":")[0] for n, t, s in attention if t == "BottleneckAttn"}
+    assert sorted(named.values()) == ["gathered", "gathered", "ring"], named
+    assert named["stages.3.0.self_attn"] == "ring", named
+    calls = {"gathered": 0, "ring": 0}
+
+    def counted(kind, inner):
+        def call(plan, *a):
+            if not isinstance(plan.ctx, ga.Alone):  # a shard's call, not the dry run's one-process shape check
+                calls[kind] += 1
+            return inner(plan, *a)
+        return call
+
+    monkeypatch.setattr(ga, "_gathered", counted("gathered", ga._gathered))
+    monkeypatch.setattr(ga._RingAttention, "apply", counted("ring", ga._RingAttention.apply))
+    dry_run(meta_copy(model), (2, 2), (1, 3, 256, 256), torch.float32, True)
+    assert calls == {"gathered": 4 * 2, "ring": 4 * 1}, calls  # four shards, each layer's choice on each
+    ga.use(model, "auto", memory=2**30)  # everything fits: all gathered
+    attention = []
+    layer_report(model, (1, 3, 256, 256), (2, 2), attention=attention)
+    assert {s.split(":")[0] for n, t, s in attention if t == "BottleneckAttn"} == {"gathered"}, attention

@@ -220,11 +220,17 @@ def test_bottleneck_attention_on_the_rpc_transport_gathers_exactly(world):
 
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
-def test_sdpa_over_flattened_positions_exact(world):
+@pytest.mark.parametrize("strategy", [None, "gathered"])
+def test_sdpa_over_flattened_positions_exact(world, strategy):
+    """The ring (default) and the gathered form (``use(model, "gathered")``, read by the SDPA rule through the
+    running module's setting) both exact on uneven 2x2 shards of a 9x7 map."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 1, 9, 7, generator=g, dtype=torch.float64)
-    assert_exact(_verdict(TokenAttention().double(), world, x, torch.tensor([1, 2])))
+    model = TokenAttention().double()
+    if strategy:
+        use(model, strategy)
+    assert_exact(_verdict(model, world, x, torch.tensor([1, 2])))
 
 
 @pytest.mark.world(4)

@@ -147,7 +147,7 @@ def cam_map(engine, grid: tuple[int, ...], call: int, piece: Piece, weights: tor
         torch.relu((a * w[:, :, None, None, None]).sum(1, keepdim=True))
     mode = "bilinear" if a.dim() == 4 else "trilinear"
     x = mark(cam, piece.shape)
-    engine.path.stack.clear()
+    engine.path.clear()
     with torch.no_grad(), ShardMode(ShardExecutor(grid, call, engine.rt), engine.path):
         up = torch.nn.functional.interpolate(x, size=size, mode=mode, align_corners=False)
     with torch._C.DisableTorchFunction():

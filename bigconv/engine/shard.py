@@ -122,7 +122,7 @@ class ShardEngine:
 
     def forward(self, grid: tuple[int, ...], in_shape: tuple[int, ...], x_local: torch.Tensor, grad, call: int):
         """The model on this shard; ``grad="input"`` keeps the input shard as a leaf to read its gradient."""
-        self.path.stack.clear()
+        self.path.clear()
         x = mark(x_local.to(self.rt.device), in_shape)
         if grad == "input":
             self.last_input = x.requires_grad_(True)

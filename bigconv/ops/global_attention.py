@@ -45,24 +45,52 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..geometry.boxes import all_coords, index_of, shard_box
 from .context import RuleContext
-from .shards import bind, global_shape, mark, mark_positions, positions, prefix
+from .shards import ATTENTION_ATTR, bind, global_shape, mark, mark_positions, positions, prefix
 
-STRATEGY_ATTR = "_bigconv_attention"
-"""Set on a module (``use``) to choose how its global attention runs: ``ring`` or ``gathered``."""
-STRATEGIES = ("ring", "gathered")
+STRATEGY_ATTR = ATTENTION_ATTR
+"""Set on a module by ``use``: ``(strategy, memory)`` for the global attention inside it."""
+STRATEGIES = ("ring", "gathered", "auto")
 
 
-def use(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
-    """Run every global attention module of ``model`` (timm ``BottleneckAttn``) with ``strategy``
-    (``ring`` or ``gathered``); returns ``model``."""
+def use(model: torch.nn.Module, strategy: str, memory: int | None = None) -> torch.nn.Module:
+    """How the global attention inside ``model`` runs on shards (``model`` may be any module of a model:
+    the innermost module given a setting decides for the attention it runs): ``ring`` (the default),
+    ``gathered``, or ``auto`` with ``memory``: gathered where one call's gathered keys, values, scores and
+    probabilities on the largest shard (``extra_bytes``) fit ``memory`` bytes, else ring. ``auto`` decides
+    at each call from global sizes (the same on every shard), so the dry run makes the same choice and
+    ``bigconv.check`` reports it. Returns ``model``."""
     if strategy not in STRATEGIES:
         raise ValueError(f"attention strategy {strategy!r} is not one of {STRATEGIES}")
-    found = [m for m in model.modules() if is_bottleneck(m)]
-    if not found:
-        raise ValueError("the model holds no global attention module bigconv splits (timm BottleneckAttn)")
-    for m in found:
-        setattr(m, STRATEGY_ATTR, strategy)
+    if (strategy == "auto") != (memory is not None):
+        raise ValueError("memory= (the bytes a shard may hold for one attention call's gathered keys, values and "
+                         "scores) goes with strategy 'auto', and only with it")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+        raise ValueError(f"memory={memory!r}: give a positive number of bytes (e.g. 2 * 2**30)")
+    setattr(model, STRATEGY_ATTR, (strategy, memory))
     return model
+
+
+def setting_in(model: torch.nn.Module, name: str):
+    """The attention setting (``use``) that decides for module ``name`` of ``model``: its own or its
+    innermost ancestor's; None when none was given (ring passes)."""
+    modules = dict(model.named_modules())
+    parts = name.split(".") if name else []
+    for i in range(len(parts), -1, -1):
+        setting = getattr(modules.get(".".join(parts[:i])), STRATEGY_ATTR, None)
+        if setting is not None:
+            return setting
+    return None
+
+
+def choose(setting, heads_batch: int, queries: int, total: int, block: int, dq: int, dv: int,
+           itemsize: int) -> str:
+    """``ring`` or ``gathered`` for one call under ``setting`` (``use``'s pair, or None), from the largest
+    shard's sizes (``extra_bytes``'s arguments)."""
+    strategy, memory = setting or ("ring", None)
+    if strategy != "auto":
+        return strategy
+    need = extra_bytes("gathered", heads_batch, queries, total, block, dq, dv, itemsize)
+    return "gathered" if need <= memory else "ring"
 
 
 def extra_bytes(strategy: str, heads_batch: int, queries: int, total: int, block: int, dq: int, dv: int,
@@ -114,12 +142,19 @@ class RingPlan:
         head's latent queries over split tokens)."""
         self.ctx, self.shape, self.scale, self.prefix = ctx, tuple(shape), scale, int(prefix)
         self.whole_queries = self.prefix if whole_queries is None else int(whole_queries)
+        self.pooled = whole_queries is not None  # every query whole (a pooling head's latents): none local
         self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
         self.index = index_of(ctx.executor.coord, self.grid)
         self.size = len(self.coords)
         self.counts = [math.prod(b - a for a, b in shard_box(shape, self.grid, c)) for c in self.coords]
         self.device = device
+
+    def strategy(self, setting, heads_batch: int, dq: int, dv: int, itemsize: int) -> str:
+        """``choose`` at the largest shard's sizes: the same answer on every shard."""
+        block = max(self.counts)
+        queries = self.whole_queries + (0 if self.pooled else block)
+        return choose(setting, heads_batch, queries, sum(self.counts) + self.prefix, block, dq, dv, itemsize)
 
     def coords_of(self, j: int) -> list[torch.Tensor]:
         return block_coords(self.shape, self.grid, self.coords[j], self.device)
@@ -278,8 +313,12 @@ def _gathered(plan: RingPlan, q, k, v, tables):
     return torch.softmax(s, -1) @ vs
 
 
-def attend(plan: RingPlan, q, k, v, tables=(), strategy: str = "ring") -> torch.Tensor:
-    """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys."""
+def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None) -> torch.Tensor:
+    """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys;
+    ``strategy`` None: the running module's setting (``use``, read through the mode), ring by default."""
+    if strategy is None:
+        setting = plan.ctx.attention_setting() if hasattr(plan.ctx, "attention_setting") else None
+        strategy = plan.strategy(setting, q.shape[0], q.shape[-1], v.shape[-1], q.element_size())
     if strategy == "gathered" or not plan.ctx.executor.ring_passes:  # the rpc transport: gathered (ring_in_backward)
         return _gathered(plan, q, k, v, tables)
     return _RingAttention.apply(plan, q, k, v, *tables)
@@ -287,7 +326,7 @@ def attend(plan: RingPlan, q, k, v, tables=(), strategy: str = "ring") -> torch.
 
 # -- a map's attention: timm BottleneckAttn ---------------------------------------------------------
 def attend_map(q, k, v, heads: int, scale: float, rel: Sequence[torch.Tensor] = (), scale_rel: bool = False,
-               strategy: str = "ring"):
+               strategy: str | None = None):
     """Multi-head attention over every position of maps ``q``, ``k``, ``v`` of shape ``(B, heads * d,
     *spatial)``, with relative position tables ``rel`` (one ``(2 S_a - 1, d)`` per spatial axis, timm's
     ``PosEmbedRel``; ``scale_rel``: scale them with the keys' logits). Returns ``(B, heads * dv,
@@ -344,7 +383,7 @@ def _attend_map_rule(mode: RuleContext, func, args, kwargs):
     if any(global_shape(t) is None for t in (q, k, v)):
         raise mode.unsupported(func, "its query, key and value are not all sharded maps", FIX)
     out = _map_attention(mode, q, k, v, b["heads"], b["scale"], b.get("rel", ()), b.get("scale_rel", False),
-                         b.get("strategy", "ring"), shape)
+                         b.get("strategy"), shape)
     return mark(out, shape)
 
 
@@ -377,7 +416,7 @@ def _bottleneck_forward(m, x):
     y = m.qkv(x)
     q, k, v = torch.split(y, [m.dim_out_qk, m.dim_out_qk, m.dim_out_v], dim=1)
     rel = (m.pos_embed.height_rel, m.pos_embed.width_rel)
-    out = attend_map(q, k, v, m.num_heads, m.scale, rel, m.scale_pos_embed, getattr(m, STRATEGY_ATTR, "ring"))
+    out = attend_map(q, k, v, m.num_heads, m.scale, rel, m.scale_pos_embed)  # strategy: the path's setting (use)
     return m.pool(out)
 
 

@@ -91,6 +91,11 @@ class ShardMode(TorchFunctionMode):
     def where(self) -> str:
         return self.path.current if self.path else "the model's forward"
 
+    def attention_setting(self):
+        """How global attention runs here: the innermost running module's ``(strategy, memory)``
+        (``bigconv.ops.global_attention.use``), or None (ring passes)."""
+        return self.path.attention if self.path else None
+
     def unsupported(self, func: Callable, reason: str, fix: str) -> UnsupportedOperation:
         return UnsupportedOperation(
             f"bigconv cannot decompose {op_name(func)} in {self.where()}: {reason}. {fix.rstrip('.')}{self.hold_fix()}"

@@ -95,14 +95,20 @@ def with_input(func: Callable, args: Sequence, kwargs: dict) -> Callable:
     return call
 
 
+ATTENTION_ATTR = "_bigconv_attention"
+"""Set on a module (``bigconv.ops.global_attention.use``): how the global attention inside it runs, a pair
+``(strategy, memory)``; the innermost module that has it decides."""
+
+
 class ModulePath:
-    """Tracks which module is running, so errors can name it."""
+    """Tracks which module is running, so errors can name it, and the attention setting around it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.stack: list[str] = []
+        self.settings: list = []
         for name, module in model.named_modules():
             label = f"'{name or '<root>'}' ({type(module).__name__})"
-            module.register_forward_pre_hook(lambda *_, label=label: self._enter(label))
+            module.register_forward_pre_hook(lambda m, _, label=label: self._enter(label, m))
             module.register_forward_hook(lambda *_: self._leave())
         model.register_forward_hook(self._check_output)
 
@@ -116,12 +122,24 @@ class ModulePath:
                 "matmul/einsum contracting them) inside forward, or return the unflattened map")
 
     # Hooks must return None: a forward hook's return value replaces the module's output.
-    def _enter(self, label: str) -> None:
+    def _enter(self, label: str, module: torch.nn.Module) -> None:
         self.stack.append(label)
+        self.settings.append(getattr(module, ATTENTION_ATTR, None))
 
     def _leave(self) -> None:
         if self.stack:
             self.stack.pop()
+            self.settings.pop()
+
+    def clear(self) -> None:
+        """Forget a forward that raised (its modules never left)."""
+        self.stack.clear()
+        self.settings.clear()
+
+    @property
+    def attention(self):
+        """The innermost running module's attention setting ``(strategy, memory)``, or None."""
+        return next((s for s in reversed(self.settings) if s is not None), None)
 
     @property
     def current(self) -> str:
