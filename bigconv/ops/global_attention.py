@@ -313,11 +313,10 @@ def _gathered(plan: RingPlan, q, k, v, tables):
     return torch.softmax(s, -1) @ vs
 
 
-def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None) -> torch.Tensor:
+def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None, setting=None) -> torch.Tensor:
     """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys;
-    ``strategy`` None: the running module's setting (``use``, read through the mode), ring by default."""
+    ``strategy`` None: chosen under ``setting`` (``use``'s, which the rules read off the mode), ring without."""
     if strategy is None:
-        setting = plan.ctx.attention_setting() if hasattr(plan.ctx, "attention_setting") else None
         strategy = plan.strategy(setting, q.shape[0], q.shape[-1], v.shape[-1], q.element_size())
     if strategy == "gathered" or not plan.ctx.executor.ring_passes:  # the rpc transport: gathered (ring_in_backward)
         return _gathered(plan, q, k, v, tables)
@@ -338,7 +337,7 @@ def attend_map(q, k, v, heads: int, scale: float, rel: Sequence[torch.Tensor] = 
     return _map_attention(Alone(len(shape)), q, k, v, heads, scale, rel, scale_rel, strategy, shape)
 
 
-def _map_attention(ctx, q, k, v, heads, scale, rel, scale_rel, strategy, shape):
+def _map_attention(ctx, q, k, v, heads, scale, rel, scale_rel, strategy, shape, setting=None):
     b, spatial = q.shape[0], tuple(q.shape[2:])
     g = b * heads
 
@@ -350,7 +349,7 @@ def _map_attention(ctx, q, k, v, heads, scale, rel, scale_rel, strategy, shape):
     if scale_rel:
         tables = [t * scale for t in tables]
     plan = RingPlan(ctx, shape, scale, q.device)
-    out = attend(plan, qf, kf, vf, tables, strategy)
+    out = attend(plan, qf, kf, vf, tables, strategy, setting)
     return out.transpose(-1, -2).reshape(b, -1, *spatial)
 
 
@@ -383,7 +382,7 @@ def _attend_map_rule(mode: RuleContext, func, args, kwargs):
     if any(global_shape(t) is None for t in (q, k, v)):
         raise mode.unsupported(func, "its query, key and value are not all sharded maps", FIX)
     out = _map_attention(mode, q, k, v, b["heads"], b["scale"], b.get("rel", ()), b.get("scale_rel", False),
-                         b.get("strategy"), shape)
+                         b.get("strategy"), shape, mode.attention_setting())
     return mark(out, shape)
 
 
@@ -448,7 +447,8 @@ def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse, whole_que
     g = math.prod(lead)
     scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
     plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape), q.shape[-2] if whole_queries else None)
-    out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]))
+    out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]),
+                 setting=mode.attention_setting())
     out = out.reshape(*lead, *out.shape[-2:])
     return out if whole_queries else mark_positions(out, shape, -2)
 
