@@ -310,7 +310,7 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
 
     path = tmp = None
     if fmt is not None:
-        path, tmp = spmd_outputs.made_by_rank_zero(net.world, make, method)
+        path, tmp = spmd_outputs.made_by_rank_zero(net.world, net.engine, make, method)
 
     engine = net.engine
     names = [layer] if method == "gradcam" else []
@@ -334,7 +334,7 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
             up = (g if g is not None else torch.zeros_like(engine.last_input)).detach().abs().amax(1, keepdim=True).cpu()
     except Exception as exc:  # every rank learns of a failure before the next collective
         failure = f"{type(exc).__name__}: {exc}"
-    spmd_outputs.agree(net.world, failure, method, tmp)
+    spmd_outputs.agree(net.world, net.engine, failure, method, tmp)
     if method == "gradcam":
         with engine.naming_lost_ranks("Grad-CAM's channel sums"):  # a rank gone is named, not waited for
             dist.all_reduce(sums)  # replicas=1: the world is the grid
@@ -350,9 +350,9 @@ def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str =
         else:
             writer.first(up)
 
-    spmd_outputs.together(net.world, first, f"{method} (level 0)", tmp)
+    spmd_outputs.together(net.world, net.engine, first, f"{method} (level 0)", tmp)
     for k in range(1, spec.levels if spec is not None else 1):
-        spmd_outputs.together(net.world, lambda k=k: writer.next(k), f"{method} (level {k})", tmp)
+        spmd_outputs.together(net.world, net.engine, lambda k=k: writer.next(k), f"{method} (level {k})", tmp)
     if net.world.rank == 0:
         outputs.finish(tmp, path)
     net.world.barrier()  # every rank returns once the output is in place

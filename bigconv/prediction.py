@@ -179,7 +179,7 @@ def _predict_several_spmd(net, x, out, plan, overwrite: bool, max_chunk: int, ki
             outputs.abandon(tmp)
             raise
 
-    path, (tmp, arrays) = spmd_outputs.made_by_rank_zero(net.world, make, "predict")
+    path, (tmp, arrays) = spmd_outputs.made_by_rank_zero(net.world, net.engine, make, "predict")
     coord = coord_of(net.mesh.shard, plan.grid)
 
     def write() -> None:
@@ -190,7 +190,7 @@ def _predict_several_spmd(net, x, out, plan, overwrite: bool, max_chunk: int, ki
                 outputs.write(array_path, box_index(shard_box(shape, plan.grid, coord), t.dim(), net._items(x)),
                               pyramid.convert(kind, t, t.shape[1]))
 
-    spmd_outputs.together(net.world, write, "predict (several outputs)", tmp, f"; {out!r} is as it was")
+    spmd_outputs.together(net.world, net.engine, write, "predict (several outputs)", tmp, f"; {out!r} is as it was")
     if net.world.rank == 0:
         outputs.finish(tmp, path)
     net.world.barrier()
@@ -282,11 +282,11 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
         pyramid.create(tmp, spec, pixel, unit, classes, os.path.basename(path))
         return path, tmp
 
-    path, tmp = spmd_outputs.made_by_rank_zero(net.world, make, "predict")
+    path, tmp = spmd_outputs.made_by_rank_zero(net.world, net.engine, make, "predict")
     coord = coord_of(net.mesh.shard, plan.grid)
 
     def together(work, what: str) -> None:
-        spmd_outputs.together(net.world, work, f"predict ({what})", tmp, f"; {out!r} is as it was")
+        spmd_outputs.together(net.world, net.engine, work, f"predict ({what})", tmp, f"; {out!r} is as it was")
 
     writer = pyramid.LevelWriter(spec, tmp, coord) if spec is not None else None
 
