@@ -43,8 +43,8 @@ LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 _POSITIONS = dict(_merge_from((positions, windows, prefix), "POSITION_RULES"))
 # Indexing whole tokens in front of the positions (a ViT's class token: x[:, 0]); the rest, windows' rule.
 _POSITIONS[torch.Tensor.__getitem__] = prefix.getitem(_POSITIONS[torch.Tensor.__getitem__])
-for _join in (torch.cat, torch.concat, torch.concatenate):  # along the positions: whole tokens; else windows'
-    _POSITIONS[_join] = prefix.joining(_POSITIONS[_join])
+# torch.cat along the positions: whole tokens in front (prefix); along another dim: windows' rule
+_POSITIONS.update({f: prefix.joining(_POSITIONS[f]) for f in (torch.cat, torch.concat, torch.concatenate)})
 _POSITIONS[F.normalize] = prefix.not_over_whole(_POSITIONS[F.normalize], 2, 1)  # F.normalize(input, p, dim)
 # SDPA over positions in its sequence dim is global attention (ring passes); in a batch dim, windows'.
 _POSITIONS[F.scaled_dot_product_attention] = global_attention.over_positions(
