@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))  # the spawned ranks import nccl_cases from here
 import nccl_cases  # noqa: E402
@@ -190,3 +191,23 @@ def test_spmd_groups_made_after_startup_bind_to_the_world_interface(monkeypatch)
     monkeypatch.setattr(dist, "new_group", lambda ranks: seen.append(os.environ.get("GLOO_SOCKET_IFNAME")) or "g")
     assert SpmdWorld._new_group(SimpleNamespace(ifname="ib7"), [0, 1]) == "g"
     assert seen == ["ib7"] and "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_object_collectives_are_described_alike_on_source_and_placeholder_ranks(monkeypatch):
+    """The source's list holds its objects, the others' placeholders: both record the same entry (a store's
+    (path, tmp) pair against None once failed CI's order check although NCCL runs it)."""
+    from bigconv.transport.comm_checks import OrderRecorder
+
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=0, group=None: None)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: None)
+    monkeypatch.setattr("bigconv.transport.comm_checks._group_key", lambda group: ("g", (0, 1)))
+    recorder = OrderRecorder().install()
+    try:
+        dist.broadcast_object_list([(("a.zarr", "a.zarr.tmp"), None)], src=0)
+        dist.broadcast_object_list([(None, None)], src=0)
+        dist.all_reduce(torch.zeros(3))
+    finally:
+        recorder.uninstall()
+    source, placeholder, tensor = recorder.take()
+    assert source == placeholder == ("g", (0, 1), "broadcast_object_list", (1,))
+    assert tensor[-1] == ((3,), "torch.float32")  # tensors are still described by shape and dtype

@@ -73,6 +73,15 @@ def _describe(value) -> tuple:
     return ()
 
 
+def _described(name: str, value) -> tuple:
+    """A collective's first argument as both sides of it see it. An object collective's list holds the
+    source's objects on one rank and placeholders on the others (NCCL sends their pickled sizes, then
+    the bytes): only its length is common to every rank."""
+    if name.endswith(("_object", "_object_list")):
+        return (len(value),) if isinstance(value, (list, tuple)) else ()
+    return _describe(value)
+
+
 class OrderRecorder:
     """Records this process's collectives and point-to-point batches, per group, in issue order.
 
@@ -103,7 +112,7 @@ class OrderRecorder:
         @functools.wraps(real)
         def recorded(*args, **kwargs):
             group = kwargs.get("group")
-            detail = _describe(args[0]) if args and name not in ("barrier",) else ()
+            detail = _described(name, args[0]) if args and name != "barrier" else ()
             with self._lock:
                 self.entries.append((*_group_key(group), name, detail))
             return real(*args, **kwargs)
