@@ -77,37 +77,57 @@ def _edges(spatial: Sequence[int], grid: Sequence[int], max_chunk: int) -> tuple
     return tuple(out)
 
 
-def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Captured]:
-    """The captures written by the workers into a zarr group at ``path`` (a temporary sibling first)."""
+def _make_arrays(tmp: str, layout: dict, grid: Sequence[int], max_chunk: int) -> None:
+    """The group ``tmp``'s arrays for ``layout`` (``ModelPart.capture_layout_of``): ``KEY/output`` and
+    ``KEY/grad``, chunks never crossing a shard boundary."""
     import zarr
 
+    root = zarr.open_group(tmp, mode="r+")
+    for name, calls in layout.items():
+        for key, (shape, dtype, sharded, has_grad) in zip(call_names(name, len(calls)), calls):
+            lead = len(shape) - len(grid)
+            chunks = (1, *shape[1:lead], *_edges(shape[lead:], grid, max_chunk)) if sharded else shape
+            for part in ("output", "grad") if has_grad else ("output",):
+                root.create_array(f"{key}/{part}", shape=shape, chunks=chunks, dtype=dtype)
+            root[key].attrs["sharded"] = sharded
+
+
+def _write_whole_grads(tmp: str, whole: list[dict]) -> None:
+    """The gradients of the tensors every shard holds whole: the sum of the shards' copies (in shard order)."""
+    import zarr
+
+    for key in whole[0]:
+        grads = [w[key] for w in whole if w[key] is not None]
+        if grads:
+            zarr.open_array(f"{tmp}/{key}/grad", mode="r+")[...] = sum(grads[1:], grads[0].clone()).numpy()
+
+
+def _opened(path: str) -> dict[str, Captured]:
+    """The captures of the group at ``path``, as zarr arrays."""
+    import zarr
+
+    group = zarr.open_group(path, mode="r")
+    return {key: Captured(group[f"{key}/output"], group[f"{key}/grad"] if "grad" in group[key] else None)
+            for key in group.group_keys()}
+
+
+def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Captured]:
+    """The captures written by the workers into a zarr group at ``path`` (a temporary sibling first)."""
     from .data import outputs
     from .geometry.boxes import all_coords
 
     tmp = outputs.begin_group(path)
-    root = zarr.open_group(tmp, mode="r+")
-    for name, calls in layout.items():
-        for key, (shape, dtype, sharded, has_grad) in zip(call_names(name, len(calls)), calls):
-            lead = len(shape) - len(plan.grid)
-            chunks = (1, *shape[1:lead], *_edges(shape[lead:], plan.grid, max_chunk)) if sharded else shape
-            for part in ("output", "grad") if has_grad else ("output",):
-                root.create_array(f"{key}/{part}", shape=shape, chunks=chunks, dtype=dtype)
-            root[key].attrs["sharded"] = sharded
+    _make_arrays(tmp, layout, plan.grid, max_chunk)
     try:
         whole = net._wait(net._launch("capture_write", [(tmp, plan.grid, c) for c in all_coords(plan.grid)]),
                           "writing the captures")
-        for key in whole[0]:
-            grads = [w[key] for w in whole if w[key] is not None]
-            if grads:
-                zarr.open_array(f"{tmp}/{key}/grad", mode="r+")[...] = sum(grads[1:], grads[0].clone()).numpy()
+        _write_whole_grads(tmp, whole)
     except BaseException:
         if not net.world.broken:
             outputs.abandon(tmp)
         raise
     outputs.finish(tmp, path)
-    group = zarr.open_group(path, mode="r")
-    return {key: Captured(group[f"{key}/output"], group[f"{key}/grad"] if "grad" in group[key] else None)
-            for key in group.group_keys()}
+    return _opened(path)
 
 
 def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, out=None, overwrite: bool = False,
