@@ -10,8 +10,8 @@ shard holds whole (a head's vector) from worker 0, with its gradient summed over
 changes in the model: no gradient is left on a weight, no optimizer steps. ``capture_local`` is the same
 on one process, with plain hooks: the reference the tests compare with.
 
-With ``out=`` (driver mode) the workers write their regions into a zarr group instead, for captures
-the size of a slide (``_write``).
+With ``out=`` the workers write their regions into a zarr group instead, for captures the size of a
+slide (``_write``); on SPMD ranks each rank writes its own (``capture_spmd``, ``_write_spmd``).
 
 Gradients: of an output score (``target``: a class index, or one per image: the sum of that logit over
 the map for a dense output) built on each shard, one message per worker; or of a loss
@@ -77,37 +77,57 @@ def _edges(spatial: Sequence[int], grid: Sequence[int], max_chunk: int) -> tuple
     return tuple(out)
 
 
-def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Captured]:
-    """The captures written by the workers into a zarr group at ``path`` (a temporary sibling first)."""
+def _make_arrays(tmp: str, layout: dict, grid: Sequence[int], max_chunk: int) -> None:
+    """The group ``tmp``'s arrays for ``layout`` (``ModelPart.capture_layout_of``): ``KEY/output`` and
+    ``KEY/grad``, chunks never crossing a shard boundary."""
     import zarr
 
+    root = zarr.open_group(tmp, mode="r+")
+    for name, calls in layout.items():
+        for key, (shape, dtype, sharded, has_grad) in zip(call_names(name, len(calls)), calls):
+            lead = len(shape) - len(grid)
+            chunks = (1, *shape[1:lead], *_edges(shape[lead:], grid, max_chunk)) if sharded else shape
+            for part in ("output", "grad") if has_grad else ("output",):
+                root.create_array(f"{key}/{part}", shape=shape, chunks=chunks, dtype=dtype)
+            root[key].attrs["sharded"] = sharded
+
+
+def _write_whole_grads(tmp: str, whole: list[dict]) -> None:
+    """The gradients of the tensors every shard holds whole: the sum of the shards' copies (in shard order)."""
+    import zarr
+
+    for key in whole[0]:
+        grads = [w[key] for w in whole if w[key] is not None]
+        if grads:
+            zarr.open_array(f"{tmp}/{key}/grad", mode="r+")[...] = sum(grads[1:], grads[0].clone()).numpy()
+
+
+def _opened(path: str) -> dict[str, Captured]:
+    """The captures of the group at ``path``, as zarr arrays."""
+    import zarr
+
+    group = zarr.open_group(path, mode="r")
+    return {key: Captured(group[f"{key}/output"], group[f"{key}/grad"] if "grad" in group[key] else None)
+            for key in group.group_keys()}
+
+
+def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Captured]:
+    """The captures written by the workers into a zarr group at ``path`` (a temporary sibling first)."""
     from .data import outputs
     from .geometry.boxes import all_coords
 
     tmp = outputs.begin_group(path)
-    root = zarr.open_group(tmp, mode="r+")
-    for name, calls in layout.items():
-        for key, (shape, dtype, sharded, has_grad) in zip(call_names(name, len(calls)), calls):
-            lead = len(shape) - len(plan.grid)
-            chunks = (1, *shape[1:lead], *_edges(shape[lead:], plan.grid, max_chunk)) if sharded else shape
-            for part in ("output", "grad") if has_grad else ("output",):
-                root.create_array(f"{key}/{part}", shape=shape, chunks=chunks, dtype=dtype)
-            root[key].attrs["sharded"] = sharded
+    _make_arrays(tmp, layout, plan.grid, max_chunk)
     try:
         whole = net._wait(net._launch("capture_write", [(tmp, plan.grid, c) for c in all_coords(plan.grid)]),
                           "writing the captures")
-        for key in whole[0]:
-            grads = [w[key] for w in whole if w[key] is not None]
-            if grads:
-                zarr.open_array(f"{tmp}/{key}/grad", mode="r+")[...] = sum(grads[1:], grads[0].clone()).numpy()
+        _write_whole_grads(tmp, whole)
     except BaseException:
         if not net.world.broken:
             outputs.abandon(tmp)
         raise
     outputs.finish(tmp, path)
-    group = zarr.open_group(path, mode="r")
-    return {key: Captured(group[f"{key}/output"], group[f"{key}/grad"] if "grad" in group[key] else None)
-            for key in group.group_keys()}
+    return _opened(path)
 
 
 def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, out=None, overwrite: bool = False,
@@ -376,13 +396,19 @@ def gradcam_local(model: nn.Module, x: torch.Tensor, layer: str | None = None, t
     return torch.nn.functional.interpolate(cam, size=tuple(x.shape[2:]), mode=mode, align_corners=False)
 
 
-def capture_spmd(net, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict[str, Captured]:
+def capture_spmd(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, *, out=None,
+                 overwrite: bool = False, max_chunk: int = 1024) -> dict[str, Captured]:
     """``SpmdModel.capture``: every rank calls it with the same arguments and gets the whole captures;
-    each rank hooks its own shard, and the parts are gathered on every rank (one collective)."""
+    each rank hooks its own shard, and the parts are gathered on every rank (one collective). With
+    ``out=`` nothing is gathered but the whole tensors' gradients: rank 0 checks ``out`` and makes the
+    group before any work, every rank writes its own parts (``ModelPart.capture_write_parts``), rank 0
+    moves the group into place; a failure on any rank is raised on every rank, naming it, and the partial
+    group is removed (``bigconv.runtime.spmd_outputs``). Returns what the driver mode's ``out=`` does."""
     import torch.distributed as dist
 
-    from .engine import step as shard_step
-    from .engine.step import OutputGradients, StepCommand
+    from .data import outputs
+    from .data.sources import is_source_batch
+    from .runtime import spmd_outputs
 
     names = check_layers(net.planner.meta, layers)
     grads = _check_what(y, loss_fn, target)
@@ -394,20 +420,81 @@ def capture_spmd(net, layers, x, y=None, loss_fn: Callable | None = None, target
     targets = check_targets(target, plan.out_full_shape[0], plan.out_full_shape[1]) if target is not None else None
     if loss_fn is not None:
         net.planner.check_loss(plan, x, y, loss_fn)
-    engine = net.engine
-    recorder = Recorder(engine.model, names, grads)
+    if out is None:
+        recorder = Recorder(net.engine.model, names, grads)
+        try:
+            _run_spmd(net, plan, x, y, loss_fn, targets)
+        finally:
+            recorder.close()
+        parts: list = [None] * net.world.size
+        dist.all_gather_object(parts, recorder.result())
+        return join(parts, plan.grid)
+
+    def make() -> tuple[str, str]:  # on rank 0 only, before any work; every rank gets its answer
+        path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+        return path, outputs.begin_group(path)
+
+    path, tmp = spmd_outputs.made_by_rank_zero(net.world, net.engine, make, "capture")
+    failure = None
     try:
-        if targets is not None:
-            shard = net._shard_call(plan, x)
-            out = shard_step.forward(engine, shard, "input")
-            gradient = score_gradient(out, targets, net.mesh.shard == 0)
-            shard_step.run(engine, StepCommand(shard, OutputGradients(gradient), grad="input", gradients=True), out)
-        elif loss_fn is not None:
-            shard_step.run(engine, net._command(plan, x, y, loss_fn, grad="input", gradients=True))
-        else:
-            shard_step.forward(engine, net._shard_call(plan, x), False)
-    finally:
-        recorder.close()
-    parts: list = [None] * net.world.size
-    dist.all_gather_object(parts, recorder.result())
-    return join(parts, plan.grid)
+        recorder = Recorder(net.engine.model, names, grads)
+        try:
+            _run_spmd(net, plan, x, y, loss_fn, targets)
+        finally:
+            recorder.close()
+    except Exception as exc:  # every rank learns of a failure before the next collective
+        failure = f"{type(exc).__name__}: {exc}"
+    after = f"; {out!r} is as it was"
+    spmd_outputs.agree(net.world, net.engine, failure, "capture", tmp, after)
+    return _write_spmd(net, plan, recorder.calls, path, tmp, max_chunk, after)
+
+
+def _run_spmd(net, plan, x, y, loss_fn, targets) -> None:
+    """This rank's forward (and backward) of a capture; the recorder's hooks keep what they need."""
+    from .engine import step as shard_step
+    from .engine.step import OutputGradients, StepCommand
+
+    engine = net.engine
+    if targets is not None:
+        shard = net._shard_call(plan, x)
+        out = shard_step.forward(engine, shard, "input")
+        gradient = score_gradient(out, targets, net.mesh.shard == 0)
+        shard_step.run(engine, StepCommand(shard, OutputGradients(gradient), grad="input", gradients=True), out)
+    elif loss_fn is not None:
+        shard_step.run(engine, net._command(plan, x, y, loss_fn, grad="input", gradients=True))
+    else:
+        shard_step.forward(engine, net._shard_call(plan, x), False)
+
+
+def _write_spmd(net, plan, calls: dict, path: str, tmp: str, max_chunk: int, after: str) -> dict[str, Captured]:
+    """Every rank's parts of ``calls`` written into the group ``tmp`` that rank 0 made, then moved to ``path``:
+    rank 0 makes the arrays from its layout, every rank writes its parts, the whole tensors' gradients are
+    gathered and summed on rank 0 (in rank order, as the driver sums them), rank 0 moves the group into
+    place; an agreement after each stage."""
+    import torch.distributed as dist
+
+    from .data import outputs
+    from .geometry.boxes import coord_of
+    from .runtime import spmd_outputs
+    from .runtime.model_part import ModelPart
+
+    world, engine = net.world, net.engine
+    coord = coord_of(net.mesh.shard, plan.grid)
+
+    def together(work, what: str, partial: str | None = tmp) -> None:
+        spmd_outputs.together(world, engine, work, f"capture ({what})", partial, after)
+
+    def arrays() -> None:
+        if world.rank == 0:
+            _make_arrays(tmp, ModelPart.capture_layout_of(calls), plan.grid, max_chunk)
+
+    together(arrays, "making its arrays")
+    whole: dict = {}
+    together(lambda: whole.update(ModelPart.capture_write_parts(calls, tmp, plan.grid, coord, net.mesh.shard == 0)),
+             "writing")
+    copies: list = [None] * world.size
+    with engine.naming_lost_ranks("capture: the whole tensors' gradients"):
+        dist.all_gather_object(copies, whole)
+    together(lambda: world.rank == 0 and _write_whole_grads(tmp, copies), "the whole tensors' gradients")
+    together(lambda: world.rank == 0 and outputs.finish(tmp, path), "moving it into place", None)  # kept on failure
+    return _opened(path)

@@ -225,27 +225,40 @@ class ModelPart:
         return recorder.result()
 
     def capture_layout(self) -> dict:
-        """Per name and call, what the driver needs to make the arrays ``capture_write`` fills: the
-        global shape, the dtype, whether it is sharded and whether a gradient reached it."""
+        """Per name and call, what the driver needs to make the arrays ``capture_write`` fills
+        (``capture_layout_of``)."""
+        return self.capture_layout_of(self.recorder.calls)
+
+    @staticmethod
+    def capture_layout_of(calls: dict) -> dict:
+        """Per name and call of a ``Recorder``'s ``calls`` (a worker's, or an SPMD rank's): the global
+        shape, the dtype, whether it is sharded and whether a gradient reached it."""
         return {name: [(p.value.shape[:p.value.dim() - len(p.shape)] + tuple(p.shape) if p.shape else
                         tuple(p.value.shape), str(p.value.dtype).replace("torch.", ""), p.shape is not None,
-                        p.grad is not None) for p in pieces] for name, pieces in self.recorder.calls.items()}
+                        p.grad is not None) for p in pieces] for name, pieces in calls.items()}
 
     def capture_write(self, root: str, grid, coord) -> dict:
         """Write this shard's parts of the sharded captures into the group ``root`` (``KEY/output``,
         ``KEY/grad``); worker 0 writes the whole tensors' values. Returns the gradients of the whole
         tensors (the driver sums the copies'); the hooks end here."""
+        calls = self.recorder.calls
+        self.capture_end()
+        return self.capture_write_parts(calls, root, grid, coord, self.rt.index == 0)
+
+    @staticmethod
+    def capture_write_parts(calls: dict, root: str, grid, coord, first: bool) -> dict:
+        """Write the parts at ``coord`` of a ``Recorder``'s sharded ``calls`` into the arrays of the group
+        ``root``, and with ``first`` the whole tensors' values; the whole tensors' gradients, per key."""
         import zarr
 
         from ..engine.capture import call_names
         from ..geometry.boxes import shard_box
 
-        calls, whole_grads = self.recorder.calls, {}
-        self.capture_end()
+        whole_grads = {}
         for name, pieces in calls.items():
             for key, p in zip(call_names(name, len(pieces)), pieces):
                 if p.shape is None:
-                    if self.rt.index == 0:
+                    if first:
                         zarr.open_array(f"{root}/{key}/output", mode="r+")[...] = p.value.cpu().numpy()
                     whole_grads[key] = None if p.grad is None else p.grad.cpu()
                     continue

@@ -1,5 +1,5 @@
-"""A store every SPMD rank writes a part of (``predict``, ``gradcam`` with ``out=``): rank 0 makes it, and
-every rank learns of every rank's failure before the next step.
+"""A store every SPMD rank writes a part of (``predict``, ``gradcam`` and ``capture`` with ``out=``): rank 0
+makes it, and every rank learns of every rank's failure before the next step.
 
 Rank 0 alone checks ``out`` and makes the store (two ranks creating one zarr group would race), then
 broadcasts what it made or why it refused, so that every rank returns or raises the same. After each

@@ -358,11 +358,13 @@ class SpmdModel(nn.Module):
         return prediction.predict_spmd(self, x, out, overwrite=overwrite, max_chunk=max_chunk, keep=keep,
                                        levels=levels, mpp=mpp, classes=classes)
 
-    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None) -> dict:
-        """The driver mode's ``capture``, on every rank (``bigconv.capture``; replicas=1)."""
+    def capture(self, layers, x, y=None, loss_fn: Callable | None = None, target=None, *, out=None,
+                overwrite: bool = False) -> dict:
+        """The driver mode's ``capture``, on every rank (``bigconv.capture``; replicas=1); with ``out=``
+        every rank writes its own parts into the zarr group (``bigconv.capture.capture_spmd``)."""
         from .. import capture
 
-        return capture.capture_spmd(self, layers, x, y, loss_fn, target)
+        return capture.capture_spmd(self, layers, x, y, loss_fn, target, out=out, overwrite=overwrite)
 
     def prefetch(self, x, y=None, loss_fn=None) -> None:
         """Start reading this rank's boxes of the next call's sources (``x``, and ``y`` when they are
