@@ -3,7 +3,7 @@
 3 steps uninterrupted against 2 steps, ``net.save``, a *new* parallel model (fresh weights, counter at 0),
 ``net.load`` and step 3: the weights after step 3 equal the uninterrupted run's and one process's under
 ``RandomDraws(seed)`` (each tensor within 1e-12 of its own size), on a (2, 2) grid with uneven shards, in
-the driver mode and on SPMD gloo ranks (also 2 replicas x (2, 1), against the uninterrupted run only:
+the driver mode (both transports, each resuming the other's file) and on SPMD gloo ranks (also 2 replicas x (2, 1), against the uninterrupted run only:
 replicas draw exact in law, not bitwise, against one process; there the run that never stopped is the one
 that saved, going on).
 
@@ -106,24 +106,25 @@ def planted(path: str) -> dict[str, str]:
 
 
 # -- driver mode -------------------------------------------------------------------------------------------
-def _driver_net(model, world, seed=SEED):
-    net = bigconv.parallelize(copy.deepcopy(model), world, grid=(2, 2), seed=seed)
+def _driver_net(model, world, seed=SEED, transport="p2p"):
+    net = bigconv.parallelize(copy.deepcopy(model), world, grid=(2, 2), seed=seed, transport=transport)
     net.optimizer(torch.optim.SGD, **LR)
     return net
 
 
 @pytest.mark.world(4)
 @pytest.mark.timeout(300)
-def test_driver_resume_draws_what_the_uninterrupted_run_draws(world, tmp_path, monkeypatch):
+def test_driver_resume_draws_what_the_uninterrupted_run_draws(world, tmp_path, monkeypatch, transport):
+    """On both transports; the file of one resumes on the other (their draws are the same)."""
     model, x, y = make_case()
     loss = nn.MSELoss()
     want = reference(model, x, y, 3)
-    uninterrupted = _driver_net(model, world)
+    uninterrupted = _driver_net(model, world, transport=transport)
     for _ in range(3):
         uninterrupted.train_step(x, y, loss)
     assert worst(uninterrupted.state_dict(), want) <= TOL
 
-    first = _driver_net(model, world)
+    first = _driver_net(model, world, transport=transport)
     for _ in range(2):
         first.train_step(x, y, loss)
     path = first.save(tmp_path / "ck.pt")
@@ -133,14 +134,14 @@ def test_driver_resume_draws_what_the_uninterrupted_run_draws(world, tmp_path, m
     with torch.no_grad():  # the new net's own weights differ: load must replace them
         for p in fresh.parameters():
             p.add_(0.5)
-    resumed = _driver_net(fresh, world)
+    resumed = _driver_net(fresh, world, transport="rpc" if transport == "p2p" else "p2p")
     resumed.load(path)
     resumed.train_step(x, y, loss)
     got = resumed.state_dict()
     assert worst(got, uninterrupted.state_dict()) <= TOL and worst(got, want) <= TOL
 
     # A net made with another explicit seed takes the file's (a warning says so) and resumes alike.
-    other = _driver_net(fresh, world, seed=SEED + 1)
+    other = _driver_net(fresh, world, seed=SEED + 1, transport=transport)
     with pytest.warns(UserWarning, match=f"seed {SEED}.*seed {SEED + 1}"):
         other.load(path)
     assert other.seed == SEED
@@ -151,7 +152,7 @@ def test_driver_resume_draws_what_the_uninterrupted_run_draws(world, tmp_path, m
     # again; a counter off by one either way (loaded over the net above: load replaces its counter) draws
     # another forward's masks.
     for name, bad_path in bad.items():
-        net = _driver_net(fresh, world) if name == "no counter" else other
+        net = _driver_net(fresh, world, transport=transport) if name == "no counter" else other
         if name == "no counter":
             with pytest.warns(UserWarning, match=f"{bad_path}.*counter.*drop_path"):
                 net.load(bad_path)
@@ -218,6 +219,8 @@ def spmd_resume(folder: str) -> dict:
                     out[f"{tag}/{name}/reference"] = worst(resumed.state_dict(), want)
             if replicas == 1:
                 out[f"{tag}/uninterrupted/reference"] = worst(ends, want)
+        # BIGCONV_COMM_CHECKS=order (CI's NCCL rules): one order of communication on every rank
+        out["order"] = world.comm_order_mismatches() if world.checks.order else []
     return out
 
 
@@ -226,6 +229,7 @@ def test_spmd_resume_draws_what_the_uninterrupted_run_draws(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))  # the ranks import this module
     per_rank = launch.run(spmd_resume, 4, (str(tmp_path),), timeout=200)
     for rank, r in enumerate(per_rank):
+        assert not r.pop("order"), (rank, "the ranks issued their communication in orders NCCL cannot run")
         assert r["1x2x2/uninterrupted/reference"] <= TOL and r["1x2x2/resumed/reference"] <= TOL, (rank, r)
         assert r["1x2x2/one forward short"] > 1e-4 and r["1x2x2/one forward short/reference"] > 1e-4, (rank, r)
         for tag in ("1x2x2", "2x2x1"):
