@@ -23,7 +23,7 @@ from .geometry.boxes import validate_grid
 from .engine.plan import Plan
 from .planning import Planner
 from .runtime.model_part import TRANSPORTS, ModelPart, to_payload
-from .ops.random import random_seed
+from .ops.random import draws_to_load, random_seed, saved_draws
 from .ops.support import unwrap_compiled
 from .transport import WorkerFailure
 from .runtime.world import World
@@ -79,6 +79,8 @@ class ParallelModel:
         self.epoch: int | None = None
         """What the last ``save(..., epoch=)`` or ``load`` recorded: where a resumed run's loop starts."""
         self.seed = random_seed(seed)
+        """The random draws' seed (``load`` restores the saved run's)."""
+        self._seed_given = seed is not None
         payload = to_payload(model)
         install = (payload, transport, self.seed, self.compile)
         self.id = world.install(ModelPart.install, [install] * world.workers, "installing the model")
@@ -311,8 +313,9 @@ class ParallelModel:
         return self.world.call_part(self.id, "state_dict", [()] * n, "reading weights", workers=range(n))
 
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
-        """Write weights, optimizer and scheduler state, step count, ``epoch`` and generator states to ``path``
-        atomically: what a preempted run needs to resume exactly (``load``).
+        """Write weights, optimizer and scheduler state, step count, ``epoch``, generator states and the random
+        draws' seed and forward count to ``path`` atomically: what a preempted run needs to resume exactly
+        (``load``), dropout and stochastic depth included.
 
         The file loads into a plain model and optimizer too (see ``bigconv.saving``). ``extra``: plain
         data kept under ``"extra"`` (e.g. ``{"classes": dataset.classes}``).
@@ -324,24 +327,31 @@ class ParallelModel:
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
                                grid=list(self.grid) if self.grid else None, extra=extra or {},
-                               scheduler=parts[0]["scheduler"], epoch=self.epoch, ema=parts[0]["ema"])
+                               scheduler=parts[0]["scheduler"], epoch=self.epoch, ema=parts[0]["ema"],
+                               draws=saved_draws([p["draws"] for p in parts]))
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":
         """Restore what ``save`` wrote, on any worker count or grid; the optimizer must already exist,
         made with the same class and arguments. Every check runs before any worker changes, so a bad
-        file leaves the model as it was. Workers' generator states return on the same worker count.
+        file leaves the model as it was. Workers' generator states return on the same worker count; the random
+        draws' seed and forward count on any (the next forward draws what the saved run's next would have:
+        the saved seed wins over this model's, see ``bigconv.ops.random.draws_to_load``; a file without
+        them, from an older bigconv, leaves the count as it is, with a warning for a model with dropout).
         """
         path = str(path)
         ck = saving.read(path)
         self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
         saving.check_scheduler_state(ck.get("scheduler"), self.has_scheduler, path)
         check_ema_state(ck.get("ema"), self.has_ema, path)
+        draws = draws_to_load(ck.get("draws"), self.seed, self._seed_given, path, self.planner.meta)
         n = self.world.workers
         rngs = ck["rng"]["workers"] if ck.get("workers") == n else [None] * n
         self.world.call_part(self.id, "load_checkpoint",
-                             [(ck["model"], ck.get("optimizer"), r, ck.get("scheduler"), ck.get("ema")) for r in rngs],
-                             "loading a checkpoint")
+                             [(ck["model"], ck.get("optimizer"), r, ck.get("scheduler"), ck.get("ema"), draws)
+                              for r in rngs], "loading a checkpoint")
+        if draws is not None:
+            self.seed = draws["seed"]
         self.steps = int(ck.get("step", 0))
         self.epoch = ck.get("epoch")
         torch.set_rng_state(ck["rng"]["driver"])

@@ -11,7 +11,9 @@ The file is a ``torch.save`` of plain data (loadable with ``weights_only=True``)
   (what ``save(..., epoch=)`` was given, or None): with the above, what a preempted run needs to resume
   exactly;
 - ``"ema"``: the driver mode's moving average of the weights (``net.optimizer(..., ema=)``) under the
-  single-process names, where one is kept.
+  single-process names, where one is kept;
+- ``"draws"``: ``{"seed", "forwards"}`` of the model's random draws (``bigconv.ops.random``), so that a
+  resumed run draws the dropout masks the saved run would have drawn next (absent in older files).
 
 A plain process continues with ``model.load_state_dict(ck["model"])`` and
 ``optimizer.load_state_dict(ck["optimizer"])``.

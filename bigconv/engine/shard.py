@@ -243,8 +243,14 @@ class ShardEngine:
     def ema_state(self) -> dict | None:
         return saving.to_cpu(self.ema) if self.ema is not None else None
 
+    def draws_state(self) -> dict:
+        """The random draws' seed and forward count (``RandomDraws.state``), for a checkpoint."""
+        return self.random.state()
+
     def load(self, model_state: dict, optimizer_state: dict | None, scheduler_state: dict | None = None,
-             ema_state: dict | None = None) -> None:
+             ema_state: dict | None = None, draws: dict | None = None) -> None:
+        """Restore a checkpoint's states; ``draws`` (``draws_state``'s, or None: left as they are) makes the
+        next forward draw what the saved run's next forward would have drawn."""
         self.model.load_state_dict(model_state)
         if optimizer_state is not None:
             self.opt.load_state_dict(optimizer_state)
@@ -253,4 +259,6 @@ class ShardEngine:
         if ema_state is not None:
             for name, kept in self.ema.items():
                 kept.copy_(ema_state[name])
+        if draws is not None:
+            self.random.restore(draws)
         self.accumulating = False

@@ -24,6 +24,7 @@ their modules), ``bernoulli``/``bernoulli_``, ``uniform_``, ``normal_``, ``rand`
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -95,6 +96,17 @@ class RandomDraws:
         """A context for one forward in one process, drawing as the shards do."""
         return ConsistentRandom(self.next_forward())
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of this stream: the seed and the forwards run so far (every forward of
+        the model counts: training, inference, ``predict``, ``capture``; a checkpointed block's recompute
+        does not). The stream number is not kept: it is the replica's own."""
+        return {"seed": self.seed, "forwards": self.forwards}
+
+    def restore(self, state: dict) -> None:
+        """Continue where ``state`` (``state()``'s) stopped: the next forward draws what forward
+        ``state["forwards"] + 1`` of a model seeded ``state["seed"]`` draws."""
+        self.seed, self.forwards = int(state["seed"]), int(state["forwards"])
+
 
 def random_seed(seed: int | None) -> int:
     """The seed of a model's random draws (dropout, stochastic depth): ``seed``, or torch's initial seed
@@ -104,6 +116,64 @@ def random_seed(seed: int | None) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     return seed
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+def saved_draws(states: Sequence[dict]) -> dict:
+    """A checkpoint's ``"draws"`` entry from every worker's (rank's) ``RandomDraws.state()``. Every forward
+    runs on every shard, so they agree; if they do not, the shards' draws already disagree, and the
+    file keeps worker 0's (with a warning) rather than refusing to save."""
+    first = dict(states[0])
+    differing = [i for i, s in enumerate(states) if dict(s) != first]
+    if differing:
+        warnings.warn(f"the random draws' counters differ between workers (worker 0: {first}, worker "
+                      f"{differing[0]}: {dict(states[differing[0]])}); the checkpoint keeps worker 0's", stacklevel=3)
+    return first
+
+
+def drawing_modules(model) -> list[str]:
+    """The modules of ``model`` known to draw in training (dropout, timm's ``DropPath``/``DropBlock``,
+    torchvision's ``StochasticDepth``, each with a positive rate), as "name (Class)": what a warning names.
+    A forward that calls ``torch.rand`` itself is not seen."""
+    found = []
+    for name, m in model.named_modules():
+        kind = type(m).__name__
+        if "Drop" not in kind and "StochasticDepth" not in kind:
+            continue
+        rates = [getattr(m, a, None) for a in ("p", "drop_prob", "drop_rate")]
+        if any(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
+            found.append(f"{name or 'the model'} ({kind})")
+    return found
+
+
+def draws_to_load(saved, seed: int, seed_given: bool, path: str, model) -> dict | None:
+    """The state a ``load`` of the checkpoint at ``path`` gives every worker's ``RandomDraws``, checked
+    before any worker changes: the saved seed and counter, so the resumed run draws what the saved run
+    would have drawn next, as ``load`` restores torch's generator states. The saved seed wins over this
+    model's ``seed`` (a warning when that was given explicitly and differs). None for a file written
+    before bigconv saved the counter: the draws go on from this model's own count (a new model's: forward
+    1), with a warning naming the file when ``model`` holds modules that draw."""
+    if saved is None:
+        drawing = drawing_modules(model)
+        if drawing:
+            warnings.warn(f"the checkpoint {path!r} does not hold the random draws' counter (it was written by an "
+                          f"older bigconv): the model's random draws ({', '.join(drawing[:3])}"
+                          f"{', ...' if len(drawing) > 3 else ''}) go on from this model's own forward count (a new "
+                          "model's: forward 1), not from where the saved run stopped; save again to keep it",
+                          stacklevel=3)
+        return None
+    ok = isinstance(saved, dict) and all(isinstance(saved.get(k), int) and not isinstance(saved.get(k), bool)
+                                         and saved[k] >= 0 for k in ("seed", "forwards"))
+    if not ok:
+        raise ValueError(f"the checkpoint {path!r} has a malformed 'draws' entry {saved!r} (expected "
+                         "{'seed': int >= 0, 'forwards': int >= 0}); use the file net.save() wrote")
+    if seed_given and saved["seed"] != seed:
+        warnings.warn(f"the checkpoint {path!r} was saved by a model drawing with seed {saved['seed']}, this model "
+                      f"was made with seed {seed}: load continues the saved run's draws (seed {saved['seed']}, "
+                      f"after forward {saved['forwards']}), as it restores torch's generator states, so that the resumed "
+                      "run trains to the weights of the run that never stopped",
+                      stacklevel=3)
+    return {"seed": saved["seed"], "forwards": saved["forwards"]}
 
 
 # -- values from positions -------------------------------------------------------------------------

@@ -373,8 +373,9 @@ class ModelPart:
         return self.engine.ema_state() if ema else self.engine.state_dict()
 
     def checkpoint_state(self, full: bool) -> dict:
-        """This replica's generator states; with ``full``, its weights and optimizer state as well."""
-        state: dict = {"rng": rng_state(self.rt.device)}
+        """This replica's generator states and random draws' counter; with ``full``, its weights and optimizer
+        state as well."""
+        state: dict = {"rng": rng_state(self.rt.device), "draws": self.engine.draws_state()}
         if full:
             state["model"] = self.state_dict()
             state["optimizer"] = self.engine.optimizer_state()
@@ -383,7 +384,8 @@ class ModelPart:
         return state
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict | None, rng: dict | None,
-                        scheduler_state: dict | None = None, ema_state: dict | None = None) -> None:
-        self.engine.load(model_state, optimizer_state, scheduler_state, ema_state)
+                        scheduler_state: dict | None = None, ema_state: dict | None = None,
+                        draws: dict | None = None) -> None:
+        self.engine.load(model_state, optimizer_state, scheduler_state, ema_state, draws)
         if rng is not None:
             set_rng_state(rng, self.rt.device)

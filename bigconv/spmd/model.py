@@ -46,7 +46,7 @@ from ..engine.plan import Plan, output_leaves
 from ..planning import Planner
 from ..saving import rng_state, set_rng_state
 from ..engine.shard import ShardEngine
-from ..ops.random import random_seed
+from ..ops.random import draws_to_load, random_seed, saved_draws
 from ..ops.support import unwrap_compiled
 from ..transport import new_stats
 from ..transport.p2p import shard_runtime
@@ -93,6 +93,7 @@ class SpmdModel(nn.Module):
         self.stats = new_stats()
         rt = shard_runtime(self.mesh, world.device, world.timeout, self.stats, world.grad_group, world.checks,
                            Prefetcher())
+        self._seed_given = seed is not None  # every rank gets the same arguments
         seed_t = torch.tensor([random_seed(seed)], dtype=torch.int64)
         dist.broadcast(seed_t, src=0)  # every rank draws with rank 0's seed
         self.engine = ShardEngine(model, rt, grad_group=world.grad_group, seed=int(seed_t.item()),
@@ -385,25 +386,30 @@ class SpmdModel(nn.Module):
         return parts[: workers or self.world.size]
 
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
-        """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state and ``epoch``
-        included); every rank returns once it is on disk."""
-        rngs = [None] * self.world.size
-        dist.all_gather_object(rngs, rng_state(torch.device("cpu")))
+        """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state, ``epoch`` and the
+        random draws' seed and forward count included); every rank returns once it is on disk."""
+        parts = [None] * self.world.size
+        dist.all_gather_object(parts, (rng_state(torch.device("cpu")), self.engine.draws_state()))
         self.epoch = epoch if epoch is not None else self.epoch
         if self.world.rank == 0:
-            ck = saving.checkpoint(self.engine.state_dict(), self.engine.optimizer_state(), self.optimizer_class, self.steps, rngs, self.world.size,
+            ck = saving.checkpoint(self.engine.state_dict(), self.engine.optimizer_state(), self.optimizer_class,
+                                   self.steps, [rng for rng, _ in parts], self.world.size,
                                    grid=list(self.grid) if self.grid else None, extra=extra or {},
-                                   scheduler=self.engine.scheduler_state(), epoch=self.epoch)
+                                   scheduler=self.engine.scheduler_state(), epoch=self.epoch,
+                                   draws=saved_draws([d for _, d in parts]))
             saving.atomic_save(ck, path)
         self.world.barrier()
         return str(path)
 
     def load(self, path) -> "SpmdModel":
+        """Every rank reads the file and restores what ``save`` wrote (the driver mode's ``load``: the random
+        draws' seed and forward count on any grid, torch's generator states on the same world size)."""
         path = str(path)
         ck = saving.read(path)
         self.planner.check_checkpoint(ck, self.optimizer_class, path, self.optimizer_groups)
         saving.check_scheduler_state(ck.get("scheduler"), self.engine.scheduler is not None, path)
-        self.engine.load(ck["model"], ck.get("optimizer"), ck.get("scheduler"))
+        draws = draws_to_load(ck.get("draws"), self.engine.random.seed, self._seed_given, path, self.module)
+        self.engine.load(ck["model"], ck.get("optimizer"), ck.get("scheduler"), draws=draws)
         if ck.get("workers") == self.world.size:
             set_rng_state(ck["rng"]["workers"][self.world.rank], torch.device("cpu"))
         self.steps = int(ck.get("step", 0))
