@@ -212,6 +212,8 @@ def run_ranks(folder: str) -> dict:
     ports = itertools.count(port + 10, 10)
     with bigconv.World.from_env(mode="spmd", device="cpu", timeout=60.0) as world:
         out = {"own": own_loop(world, folder)}
+        # BIGCONV_COMM_CHECKS=order (CI's NCCL rules): one order of communication on every rank
+        out["order"] = world.comm_order_mismatches() if world.checks.order else []
     out["lightning"] = (lightning_runs(folder, ports) if importlib.util.find_spec("lightning") is not None
                         else "lightning is not installed")
     return out
@@ -224,6 +226,8 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_own_loop_resumes_the_draws_with_draws_state(ranks):
+    for rank, r in enumerate(ranks):
+        assert not r["order"], (rank, "the ranks issued their communication in orders NCCL cannot run")
     for rank, r in enumerate(r["own"] for r in ranks):
         assert r["saved draws"] == {"seed": SEED, "forwards": 2}, (rank, r["saved draws"])
         assert r["uninterrupted/reference"] <= TOL, (rank, r)
