@@ -14,14 +14,19 @@ opens the ranks' ``SpmdWorld`` (the process group) and replaces the LightningMod
 - ``reduce``, ``all_gather`` and ``barrier`` run over every rank (a value logged with
   ``sync_dist=True`` is the same on the ranks of a replica, so the mean over ranks is the mean over
   replicas); checkpoints hold the plain model's keys (the parallel module shares the network's
-  parameter tables); precision plugins run the forward under autocast as on one process.
+  parameter tables); precision plugins run the forward under autocast as on one process;
+- checkpoints also hold the random draws' seed and forward count (``checkpoint["bigconv"]["draws"]``,
+  ``SpmdModel.draws_state``), and a resumed ``fit(ckpt_path=)`` restores it on every rank, so dropout and
+  drop path draw the masks the run that never stopped draws; the sanity check's forwards leave the count
+  as they found it, as Lightning's ``isolate_rng`` leaves torch's generator.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
-from typing import Any, Generator
+from typing import Any, Generator, Mapping
 
 import torch
 
@@ -33,6 +38,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the extra is missing
     raise ImportError("bigconv.lightning needs Lightning: pip install 'bigconv[lightning]' (or lightning>=2.2)") from exc
 
+from .ops.random import drawing_modules, draws_problem
 from .parallel import parallelize
 from .runtime.spmd_world import SpmdWorld
 
@@ -52,6 +58,8 @@ class BigconvStrategy(DDPStrategy):
         self.grid, self.replicas, self.module_name, self.bigconv_timeout = tuple(grid), replicas, module, timeout
         self.world: SpmdWorld | None = None
         self.net = None
+        self._draws_to_restore: dict | None = None  # a checkpoint's, read before the network is decomposed
+        self._draws_before_sanity: dict | None = None
 
     # -- ranks and data ---------------------------------------------------------------------------------
     @property
@@ -95,11 +103,59 @@ class BigconvStrategy(DDPStrategy):
         if not isinstance(inner, torch.nn.Module):
             raise ValueError(f"BigconvStrategy decomposes the LightningModule's network at .{self.module_name}, but "
                              f"{type(lm).__name__} has no module there; pass module='<attribute name>'")
-        if self.net is not None and inner is self.net:
+        if self.net is None or inner is not self.net:
+            self.net = parallelize(inner, self.world, grid=self.grid, replicas=self.replicas)
+            self.net.replica_batches = True
+            setattr(lm, self.module_name, self.net)
+        if self._draws_to_restore is not None:
+            self.net.load_draws_state(self._draws_to_restore)
+            self._draws_to_restore = None
+
+    # -- checkpoints: the random draws' state -------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Lightning's checkpoint and ``"bigconv": {"draws": net.draws_state()}``: the forward count a resumed
+        run needs to draw the masks the run that never stopped draws (equal on every rank; rank 0 writes)."""
+        if self.net is not None:
+            checkpoint = {**checkpoint, "bigconv": {"draws": self.net.draws_state()}}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The weights (Lightning's), then the random draws' state: on the parallel network when it exists, else
+        (``fit(ckpt_path=)`` restores before ``setup``) once ``setup`` has decomposed it. A checkpoint without
+        the entry (written without this strategy, or by an older bigconv) loads as before, with a warning when
+        the network holds dropout-like modules; a malformed entry is a ``ValueError`` before anything loads."""
+        draws = (checkpoint.get("bigconv") or {}).get("draws")
+        path = getattr(self.lightning_module.trainer, "ckpt_path", None)
+        if draws is not None and draws_problem(draws) is not None:
+            raise ValueError(f"the Lightning checkpoint {path!r} has a malformed ['bigconv']['draws'] entry "
+                             f"{draws!r}: {draws_problem(draws)}; use a checkpoint BigconvStrategy wrote")
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if draws is None:
+            drawing = drawing_modules(getattr(self.lightning_module, self.module_name, self.lightning_module))
+            if drawing:
+                warnings.warn(f"the Lightning checkpoint {path!r} holds no bigconv random draws' state (written without "
+                              f"BigconvStrategy or by an older bigconv): the network's random draws "
+                              f"({', '.join(drawing[:3])}{', ...' if len(drawing) > 3 else ''}) go on from this run's "
+                              "own forward count (a new Trainer's: forward 1), not from where the saved run stopped",
+                              stacklevel=2)
             return
-        self.net = parallelize(inner, self.world, grid=self.grid, replicas=self.replicas)
-        self.net.replica_batches = True
-        setattr(lm, self.module_name, self.net)
+        if self.net is not None:
+            self.net.load_draws_state(dict(draws))
+        else:
+            self._draws_to_restore = dict(draws)
+
+    def on_validation_start(self) -> None:
+        """The sanity check's forwards count no draws (Lightning runs it under ``isolate_rng``): a resumed
+        fit, which runs it again, draws as the run that never stopped."""
+        super().on_validation_start()
+        if self.net is not None and self.lightning_module.trainer.sanity_checking:
+            self._draws_before_sanity = self.net.draws_state()
+
+    def on_validation_end(self) -> None:
+        if self._draws_before_sanity is not None:
+            self.net.load_draws_state(self._draws_before_sanity)
+            self._draws_before_sanity = None
+        super().on_validation_end()
 
     def configure_ddp(self) -> None:  # no DDP wrapper: the parallel network sums the gradients itself
         pass

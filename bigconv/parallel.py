@@ -23,7 +23,7 @@ from .geometry.boxes import validate_grid
 from .engine.plan import Plan
 from .planning import Planner
 from .runtime.model_part import TRANSPORTS, ModelPart, to_payload
-from .ops.random import draws_to_load, random_seed, saved_draws
+from .ops.random import draws_problem, draws_to_load, random_seed, saved_draws
 from .ops.support import unwrap_compiled
 from .transport import WorkerFailure
 from .runtime.world import World
@@ -356,6 +356,25 @@ class ParallelModel:
         self.epoch = ck.get("epoch")
         torch.set_rng_state(ck["rng"]["driver"])
         return self
+
+    def draws_state(self) -> dict:
+        """The random draws' seed and forward count, ``{"seed": int, "forwards": int}`` (the workers'; the SPMD
+        mode's ``draws_state``): what a checkpoint written by hand keeps for ``load_draws_state``. ``save``
+        keeps it already."""
+        n = self.world.workers
+        parts = self.world.call_part(self.id, "checkpoint_state", [(False,)] * n, "reading the random draws' state")
+        return saved_draws([p["draws"] for p in parts])
+
+    def load_draws_state(self, state: dict) -> None:
+        """Continue the random draws where ``state`` (the saved run's ``draws_state()``) stopped, on every worker;
+        its seed replaces this model's. A malformed dict is a ``ValueError`` before any worker changes."""
+        problem = draws_problem(state)
+        if problem is not None:
+            raise ValueError(f"load_draws_state: the state is malformed: {problem}; pass what net.draws_state() "
+                             "returned when the checkpoint was written")
+        self.world.call_part(self.id, "restore_draws", [(dict(state),)] * self.world.workers,
+                             "restoring the random draws")
+        self.seed = state["seed"]
 
     def train(self, mode: bool = True) -> "ParallelModel":
         self.training = mode

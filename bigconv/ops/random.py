@@ -146,6 +146,24 @@ def drawing_modules(model) -> list[str]:
     return found
 
 
+def draws_problem(state) -> str | None:
+    """What is wrong with ``state`` as the random draws' state of a model (``RandomDraws.state()``'s dict:
+    exactly ``{"seed": int >= 0, "forwards": int >= 0}``), or None: what ``net.load_draws_state`` checks
+    before anything changes."""
+    if not isinstance(state, dict):
+        return f"expected a dict, got {type(state).__name__} {str(state)[:80]}"
+    unknown = sorted(str(k) for k in state if k not in ("seed", "forwards"))
+    if unknown:
+        return f"unexpected keys {unknown} (a whole checkpoint instead of its draws entry?)"
+    for key in ("seed", "forwards"):
+        if key not in state:
+            return f"the key {key!r} is missing"
+        v = state[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"{key!r} is {v!r} ({type(v).__name__}), expected an int >= 0"
+    return None
+
+
 def draws_to_load(saved, seed: int, seed_given: bool, path: str, model) -> dict | None:
     """The state a ``load`` of the checkpoint at ``path`` gives every worker's ``RandomDraws``, checked
     before any worker changes: the saved seed and counter, so the resumed run draws what the saved run

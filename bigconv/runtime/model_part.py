@@ -389,3 +389,7 @@ class ModelPart:
         self.engine.load(model_state, optimizer_state, scheduler_state, ema_state, draws)
         if rng is not None:
             set_rng_state(rng, self.rt.device)
+
+    def restore_draws(self, draws: dict) -> None:
+        """``ParallelModel.load_draws_state``: the random draws go on from ``draws`` (checked by the driver)."""
+        self.engine.random.restore(draws)

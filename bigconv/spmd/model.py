@@ -46,7 +46,7 @@ from ..engine.plan import Plan, output_leaves
 from ..planning import Planner
 from ..saving import rng_state, set_rng_state
 from ..engine.shard import ShardEngine
-from ..ops.random import draws_to_load, random_seed, saved_draws
+from ..ops.random import draws_problem, draws_to_load, random_seed, saved_draws
 from ..ops.support import unwrap_compiled
 from ..transport import new_stats
 from ..transport.p2p import shard_runtime
@@ -415,6 +415,34 @@ class SpmdModel(nn.Module):
         self.steps = int(ck.get("step", 0))
         self.epoch = ck.get("epoch")
         return self
+
+    # -- the random draws' state, for checkpoints of your own loop --------------------------------------------
+    def draws_state(self) -> dict:
+        """The random draws' seed and forward count, ``{"seed": int, "forwards": int}``: what a checkpoint of
+        your own loop keeps beside ``state_dict()`` (which holds the plain model's tensors only, so it still
+        loads into an undecomposed model) for ``load_draws_state`` to resume the dropout and drop-path masks
+        where they stopped. Plain ints (``torch.load(weights_only=True)`` reads them back); the same on every
+        rank and read without communication, so rank 0 alone may call it inside ``if rank == 0: torch.save``."""
+        return self.engine.draws_state()
+
+    def load_draws_state(self, state: dict) -> None:
+        """Continue the random draws where ``state`` (the saved run's ``draws_state()``) stopped: the next
+        forward draws what the saved run's next forward would have drawn. Its seed replaces this model's, as
+        ``torch.set_rng_state`` replaces what ``manual_seed`` set. Every rank calls it with the same dict (the
+        rest of SPMD's habit; one ``all_gather_object`` checks it): a malformed dict on any rank, or ranks
+        given different ones, is a ``ValueError`` on every rank before any rank changes."""
+        problem = draws_problem(state)
+        every = [None] * self.world.size
+        dist.all_gather_object(every, (dict(state) if problem is None else None, problem))
+        bad = [(rank, p) for rank, (_, p) in enumerate(every) if p is not None]
+        if bad:
+            raise ValueError(f"load_draws_state: rank {bad[0][0]}'s state is malformed: {bad[0][1]}; pass what "
+                             "net.draws_state() returned when the checkpoint was written (e.g. ck[\"draws\"])")
+        differing = [rank for rank, (s, _) in enumerate(every) if s != every[0][0]]
+        if differing:
+            raise ValueError(f"load_draws_state: rank {differing[0]} was given {every[differing[0]][0]}, rank 0 "
+                             f"{every[0][0]}; every rank must restore the same state (read the same checkpoint)")
+        self.engine.random.restore(state)
 
 
 
