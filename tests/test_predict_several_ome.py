@@ -165,6 +165,22 @@ def test_each_output_is_its_own_ngff_image(world, tmp_path):
     assert net.predict(image(), paths[1], keep="labels", max_chunk=16, overwrite=True) == paths[1]
     (np_image,), (half_image,) = series(paths[1])
     assert len(np_image.data) == 1 and np.asarray(np_image.data[0]).dtype == np.uint8
+
+    # a failure while the levels are written leaves the earlier prediction as it was, and no temporary sibling
+    launch = net._launch
+
+    def failing(method, args):
+        if method == "pyramid_level":
+            raise RuntimeError("planted: a worker failed at level 1")
+        return launch(method, args)
+
+    net._launch = failing
+    with pytest.raises(RuntimeError, match="planted"):
+        net.predict(image(), paths[0], keep="float", levels=2, max_chunk=16, overwrite=True)
+    net._launch = launch
+    check_container(paths[0], full)
+    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.zarr"]
+
     theirs = tmp_path / "theirs.ome.zarr"
     theirs.mkdir()
     (theirs / "notes.txt").write_text("mine")
