@@ -377,17 +377,26 @@ def _tiles(array, tile: int):
 def write_ome_tiff(root: str, path: str, spec: Pyramid, pixel: Sequence[float], unit: bool) -> None:
     """Every level of the OME-Zarr at ``root`` (one kind) into a tiled, pyramidal OME-TIFF at ``path``:
     level 0 as the image, the others as its SubIFDs, each tile read from the zarr level as it is written."""
+    write_ome_tiff_series(path, [(root, spec, pixel, unit, None)])
+
+
+def write_ome_tiff_series(path: str, images: Sequence[tuple]) -> None:
+    """Several OME-Zarr images, ``images[i] = (root, spec, pixel, unit, name)``, as the series of one
+    OME-TIFF at ``path`` in order (each one pyramid as ``write_ome_tiff`` writes it; OME-XML names each
+    ``name``, or ``bigconv KIND``)."""
     import tifffile
     import zarr
 
-    kind, group = spec.arrays()[0]
-    levels = [zarr.open_array(array_path(root, group, k), mode="r") for k in range(spec.levels)]
-    tile = max(16, min(TIFF_TILE, 16 * -(-max(spec.shapes[0]) // 16)))
-    meta: dict = {"axes": "CYX", "Name": f"bigconv {kind}"}
-    if unit:
-        meta.update(PhysicalSizeY=pixel[0], PhysicalSizeX=pixel[1], PhysicalSizeYUnit="µm", PhysicalSizeXUnit="µm")
     with tifffile.TiffWriter(path, bigtiff=True, ome=True) as tif:
-        for k, a in enumerate(levels):
-            tif.write(_tiles(a, tile), shape=a.shape, dtype=a.dtype, tile=(tile, tile), photometric="minisblack",
-                      software=outputs.TIFF_SOFTWARE, compression="zlib",
-                      **({"subifds": spec.levels - 1, "metadata": meta} if k == 0 else {"subfiletype": 1}))
+        for root, spec, pixel, unit, name in images:
+            kind, group = spec.arrays()[0]
+            levels = [zarr.open_array(array_path(root, group, k), mode="r") for k in range(spec.levels)]
+            tile = max(16, min(TIFF_TILE, 16 * -(-max(spec.shapes[0]) // 16)))
+            meta: dict = {"axes": "CYX", "Name": name or f"bigconv {kind}"}
+            if unit:
+                meta.update(PhysicalSizeY=pixel[0], PhysicalSizeX=pixel[1], PhysicalSizeYUnit="µm",
+                            PhysicalSizeXUnit="µm")
+            for k, a in enumerate(levels):
+                tif.write(_tiles(a, tile), shape=a.shape, dtype=a.dtype, tile=(tile, tile), photometric="minisblack",
+                          software=outputs.TIFF_SOFTWARE, compression="zlib",
+                          **({"subifds": spec.levels - 1, "metadata": meta} if k == 0 else {"subfiletype": 1}))
