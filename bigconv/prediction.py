@@ -20,7 +20,8 @@ vectors per image are not written (``net.full(x)`` returns them):
   (the input's times that output's own stride: a deep-supervision map at half resolution has twice the
   pixel), its own kept kinds and class names where ``keep=``, ``levels=`` and ``classes=`` are dicts by
   output name (one value applies to every output);
-- an OME-TIFF is refused (one image per file here).
+- ``NAME.ome.tif``: the same images as the series of one pyramidal OME-TIFF (one kind of a 2D output
+  each, no float16), copied by the driver (rank 0) from the OME-Zarr container the workers wrote.
 
 Both modes: the workers or the SPMD ranks each write their region of every dense output from one
 forward, then each further level of every image from their own regions.
@@ -129,6 +130,8 @@ class Several:
     dtype: str
     chunks: tuple = ()
     images: tuple = ()
+    tiff: bool = False
+    """An OME-TIFF of several series: the images are staged in an OME-Zarr container, then copied."""
 
     @property
     def ome(self) -> bool:
@@ -157,6 +160,19 @@ class Several:
             made.append(os.path.join(tmp, name))
         return made
 
+    def write_tiff(self, tmp: str, made: list, path: str) -> str:
+        """The OME-TIFF at a temporary sibling of ``path`` from the container ``tmp`` (then removed): one
+        series per image, in order; its path."""
+        tif = outputs.temporary(path, staging=tmp)
+        try:
+            pyramid.write_ome_tiff_series(tif, [(root, i[0], i[1], i[2], i[4]) for root, i in zip(made, self.images)
+                                                if i is not None])
+        except BaseException:
+            outputs.abandon(tif)
+            raise
+        outputs.abandon(tmp)
+        return tif
+
     def targets(self, made: list, coord) -> list:
         """One shard's ``ModelPart.predict_several`` targets: ``("ome", image root, spec, coord)`` or
         ``(array path, the shard's box, kind)``, None where nothing is written."""
@@ -167,13 +183,10 @@ class Several:
 
 
 def _check_several(plan, x, fmt: str, keep, levels, mpp, classes, max_chunk: int) -> Several:
-    """Several outputs go to one zarr group (an array per dense output, named by ``output_names``) or one
-    OME-Zarr container (an NGFF image per dense output, ``bigconv.data.pyramid.create_collection``).
+    """Several outputs go to one zarr group (an array per dense output, named by ``output_names``), one
+    OME-Zarr container (an NGFF image per dense output, ``bigconv.data.pyramid.create_collection``) or one
+    OME-TIFF (a series per dense output, copied from such a container).
     Everything is refused here, before remote work, where it cannot be written."""
-    if fmt == "ome.tif":
-        raise ValueError(f"this model returns {len(plan.outputs)} outputs, but an OME-TIFF prediction holds one "
-                         "image: give out= an .ome.zarr name (one NGFF image per dense output, each its own "
-                         "pyramid) or a .zarr name (an array per dense output)")
     names = [name if shape is not None else None for name, (shape, _) in zip(output_names(plan), plan.outputs)]
     if not any(names):
         raise ValueError(f"predict writes dense maps, but none of this model's {len(names)} outputs is one (vectors "
@@ -201,10 +214,16 @@ def _check_several(plan, x, fmt: str, keep, levels, mpp, classes, max_chunk: int
     if fmt == "zarr":  # chunks never crossing shards, refused here where they cannot be
         return Several(**base, chunks=tuple(None if n is None else outputs.aligned_chunks(shape, plan.grid, max_chunk)
                                             for n, shape in zip(names, shapes)))
+    if fmt == "ome.tif":
+        for n, k, shape in zip(names, kinds, shapes):
+            if n is not None and (len(k) > 1 or len(shape) != 2 or "float16" in k):
+                raise ValueError(f"output {n!r}: an OME-TIFF series holds one kind of a 2D output, not float16 (got "
+                                 f"keep={k!r}, {len(shape)} spatial axes); write an .ome.zarr for labels beside an "
+                                 "image, a 3D output or float16")
     batch = next(f[0] for n, f in zip(names, full) if n is not None)
     if batch != 1:
-        raise ValueError(f"an OME-Zarr holds one image per output, but this batch has {batch}; predict one slide per "
-                         "call (for s in slides: net.predict([s], out=...))")
+        raise ValueError(f"an OME-Zarr or OME-TIFF holds one image per output, but this batch has {batch}; predict "
+                         "one slide per call (for s in slides: net.predict([s], out=...))")
     images = []
     for n, k, lv, c, shape, f in zip(names, kinds, per_levels, per_classes, shapes, full):
         if n is None:
@@ -217,7 +236,7 @@ def _check_several(plan, x, fmt: str, keep, levels, mpp, classes, max_chunk: int
             raise ValueError(f"output {n!r} ({tuple(shape)}): {exc}{hint}") from None
         pixel, unit = pixel_size(plan, x, mpp, shape)
         images.append((spec, pixel, unit, c, n))
-    return Several(**base, images=tuple(images))
+    return Several(**base, images=tuple(images), tiff=fmt == "ome.tif")
 
 
 def _predict_several(net, x, out, plan, overwrite: bool, several: Several) -> str:
@@ -228,13 +247,15 @@ def _predict_several(net, x, out, plan, overwrite: bool, several: Several) -> st
     shards = net._shard_calls(plan, x)
     coords = list(all_coords(plan.grid))
     net.world.check_usable()
-    tmp = outputs.begin_group(path)
+    tmp = outputs.begin_group(path + ".zarr" if several.tiff else path)
     try:
         made = several.create(tmp)
         work = [(s, several.targets(made, c)) for s, c in zip(shards, coords)]
         net._wait(net._launch("predict_several", work), f"prediction {shards[0].call} (predict_several)")
         for k in range(1, several.levels):
             net._wait(net._launch("pyramid_level", [(k,)] * len(shards)), f"prediction {shards[0].call} (level {k})")
+        if several.tiff:
+            tmp = several.write_tiff(tmp, made, path)
     except BaseException:
         if not net.world.broken:
             outputs.abandon(tmp)
@@ -257,7 +278,7 @@ def _predict_several_spmd(net, x, out, plan, overwrite: bool, several: Several) 
 
     def make() -> tuple[str, tuple]:  # on rank 0 only; every rank gets its answer
         path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-        tmp = outputs.begin_group(path)
+        tmp = outputs.begin_group(path + ".zarr" if several.tiff else path)
         try:
             return path, (tmp, several.create(tmp))
         except BaseException:
@@ -287,7 +308,14 @@ def _predict_several_spmd(net, x, out, plan, overwrite: bool, several: Several) 
     for k in range(1, several.levels):
         together(lambda k=k: pyramid.Writers(writers).next(k), f"several outputs, level {k}")
     if net.world.rank == 0:
-        outputs.finish(tmp, path)
+        final = tmp
+        if several.tiff:
+            try:
+                final = several.write_tiff(tmp, made, path)
+            except BaseException:
+                outputs.abandon(tmp)
+                raise
+        outputs.finish(final, path)
     net.world.barrier()
     return path
 
@@ -335,7 +363,7 @@ def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep
         for method, args in work:
             net._wait(net._launch(method, args), f"prediction {shards[0].call} ({method})")
         if fmt == "ome.tif":
-            tif = outputs.temporary(path)
+            tif = outputs.temporary(path, staging=tmp)
             try:
                 pyramid.write_ome_tiff(tmp, tif, spec, pixel, unit)
             except BaseException:
@@ -400,7 +428,7 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
     if net.world.rank == 0:
         final = tmp
         if fmt == "ome.tif":
-            final = outputs.temporary(path)
+            final = outputs.temporary(path, staging=tmp)
             try:
                 pyramid.write_ome_tiff(tmp, final, spec, pixel, unit)
             except BaseException:

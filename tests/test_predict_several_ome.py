@@ -7,7 +7,8 @@ written). On a 2x2 grid in float64, both modes: every level of every image again
 output, reduced by the tests' own loop (``test_pyramid.naive_reduce``); the container's and each image's
 metadata against the spec (``ome-zarr-models``' independent model of NGFF 0.5, and ``ome-zarr``'s reader
 opening each listed series as a viewer does); each image's pixel size from its own stride; per-output
-``keep``, ``levels`` and ``classes``; refusals before remote work; the atomic write. A failure points at
+``keep``, ``levels`` and ``classes``; the same images as the series of one OME-TIFF (tifffile); refusals
+before remote work; the atomic write. A failure points at
 ``bigconv.prediction._check_several`` / ``Several`` (what is written where), ``bigconv.data.pyramid``'s
 ``create_collection`` (the metadata) or ``ModelPart.predict_several`` / ``pyramid.Writers`` (the levels).
 """
@@ -65,7 +66,9 @@ def predict_both(net, folder: str) -> list[str]:
     x = image()
     return [net.predict(x, os.path.join(folder, "pred.ome.zarr"), keep=KEEP, levels=LEVELS, mpp=MPP,
                         classes=CLASSES, max_chunk=16),
-            net.predict(x, os.path.join(folder, "f16.ome.zarr"), keep="float16", levels=2, max_chunk=16)]
+            net.predict(x, os.path.join(folder, "f16.ome.zarr"), keep="float16", levels=2, max_chunk=16),
+            net.predict(x, os.path.join(folder, "pred.ome.tif"), keep={"np": "labels"}, levels=LEVELS, mpp=MPP,
+                        max_chunk=16)]
 
 
 def spmd_rank(folder: str) -> list[str]:
@@ -149,6 +152,31 @@ def check_one_kind(path: str, full: dict) -> None:
     assert "unit" not in half_image.metadata["axes"][1]
 
 
+def check_tiff(path: str, full: dict) -> None:
+    """``pred.ome.tif``: a series per output in order, each its own pyramid, name and pixel size."""
+    import xml.etree.ElementTree as ET
+
+    import tifffile
+
+    with tifffile.TiffFile(path) as tif:
+        assert len(tif.series) == 2
+        labels, half = tif.series
+        level = pyramid.convert("labels", full["np"], 3)[0]
+        assert [lv.shape for lv in labels.levels] == [(128, 64), (64, 32), (32, 16)]  # one channel: squeezed
+        for lv in labels.levels:
+            assert np.array_equal(lv.asarray(), level[0])
+            level = naive_reduce(level, "labels")
+        level = full["half"][0].numpy()
+        assert [lv.shape for lv in half.levels] == [(2, 64, 32), (2, 32, 16)]
+        for lv in half.levels:
+            assert np.abs(lv.asarray() - level).max() <= 1e-12 * np.abs(level).max()
+            level = naive_reduce(level, "float")
+        ns = {"ome": "http://www.openmicroscopy.org/Schemas/OME/2016-06"}
+        images = ET.fromstring(tif.ome_metadata).findall("ome:Image", ns)
+        assert [i.get("Name") for i in images] == ["np", "half"]
+        assert [float(i.find("ome:Pixels", ns).get("PhysicalSizeX")) for i in images] == [MPP, 2 * MPP]
+
+
 @pytest.mark.world(4)
 @pytest.mark.timeout(240)
 def test_each_output_is_its_own_ngff_image(world, tmp_path):
@@ -157,7 +185,8 @@ def test_each_output_is_its_own_ngff_image(world, tmp_path):
     full = single()
     check_container(paths[0], full)
     check_one_kind(paths[1], full)
-    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.zarr"]  # no temporary sibling left
+    check_tiff(paths[2], full)
+    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.tif", "pred.ome.zarr"]  # no temporary sibling
 
     # overwrite replaces our own; an existing folder that is not ours is refused and left as it was
     with pytest.raises(ValueError, match="exists; choose another out= or pass overwrite=True"):
@@ -179,7 +208,7 @@ def test_each_output_is_its_own_ngff_image(world, tmp_path):
         net.predict(image(), paths[0], keep="float", levels=2, max_chunk=16, overwrite=True)
     net._launch = launch
     check_container(paths[0], full)
-    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.zarr"]
+    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.tif", "pred.ome.zarr"]
 
     theirs = tmp_path / "theirs.ome.zarr"
     theirs.mkdir()
@@ -187,7 +216,7 @@ def test_each_output_is_its_own_ngff_image(world, tmp_path):
     with pytest.raises(ValueError, match="not written by bigconv"):
         net.predict(image(), str(theirs), overwrite=True)
     assert sorted(os.listdir(theirs)) == ["notes.txt"]
-    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.zarr", "theirs.ome.zarr"]
+    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.tif", "pred.ome.zarr", "theirs.ome.zarr"]
 
 
 @pytest.mark.world(4)
@@ -208,10 +237,13 @@ def test_several_ome_refusals_before_remote_work(world, monkeypatch, tmp_path):
     for kwargs, message in refused:
         with pytest.raises(ValueError, match=message):
             net.predict(x, out, **kwargs)
-    with pytest.raises(ValueError, match="this batch has 2; predict one slide per call"):
-        net.predict(torch.cat([x, x]), out)
-    with pytest.raises(ValueError, match="an OME-TIFF prediction holds one image: give out= an .ome.zarr name"):
-        net.predict(x, str(tmp_path / "p.ome.tif"))
+    for name in (out, str(tmp_path / "p.ome.tif")):
+        with pytest.raises(ValueError, match="this batch has 2; predict one slide per call"):
+            net.predict(torch.cat([x, x]), name)
+    with pytest.raises(ValueError, match=r"output 'np': an OME-TIFF series holds one kind of a 2D output, not float16"):
+        net.predict(x, str(tmp_path / "p.ome.tif"), keep={"np": ("probabilities", "labels")})
+    with pytest.raises(ValueError, match=r"output 'half': an OME-TIFF series .* \(got keep=\('float16',\)"):
+        net.predict(x, str(tmp_path / "p.ome.tif"), keep={"half": "float16"})
     with pytest.raises(ValueError, match="a .zarr group holds one kind, one level and no class names per output"):
         net.predict(x, str(tmp_path / "p.zarr"), levels=2)
     assert os.listdir(tmp_path) == []
@@ -241,4 +273,5 @@ def test_spmd_ranks_write_each_output_as_its_own_image(exclusive, tmp_path):
     full = single()
     check_container(per_rank[0][0], full)
     check_one_kind(per_rank[0][1], full)
-    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.zarr"]
+    check_tiff(per_rank[0][2], full)
+    assert sorted(os.listdir(tmp_path)) == ["f16.ome.zarr", "pred.ome.tif", "pred.ome.zarr"]

@@ -82,7 +82,7 @@ def test_predict_refusals_on_every_rank(runs):
     per_rank = _per_rank(runs, "predict/refusals")
     assert all(said == per_rank[0] for said in per_rank)  # the same error on every rank
     ome, vectors, theirs = per_rank[0]
-    assert "an OME-TIFF prediction holds one image" in ome
+    assert "OME-TIFF holds one image per output, but this batch has 2" in ome
     assert "none of this model's 2 outputs is one" in vectors
     assert theirs.startswith("predict refused on rank 0") and "not written by bigconv" in theirs, theirs
     assert sorted(os.listdir(folder / "not-ours.zarr")) == ["notes.txt"]  # the user's folder, untouched
