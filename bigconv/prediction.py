@@ -195,7 +195,8 @@ def _check_several(plan, x, fmt: str, keep, levels, mpp, classes, max_chunk: int
     per_levels = _by_output(levels, "levels", names)
     per_classes = _by_output(classes, "classes", names)
     full = [f for _, f in plan.outputs]
-    if fmt == "zarr" and (any(k is not None and len(k) > 1 for k in kinds) or any(lv not in (None, 1) for lv in per_levels)
+    several_kinds = any(k is not None and len(k) > 1 for k in kinds)
+    if fmt == "zarr" and (several_kinds or any(lv not in (None, 1) for lv in per_levels)
                           or any(c is not None for c in per_classes)):
         raise ValueError("a .zarr group holds one kind, one level and no class names per output; write an .ome.zarr "
                          "for labels beside an image, levels or class names")

@@ -192,7 +192,7 @@ def test_each_output_is_its_own_ngff_image(world, tmp_path):
     with pytest.raises(ValueError, match="exists; choose another out= or pass overwrite=True"):
         net.predict(image(), paths[1], keep="float16", levels=2, max_chunk=16)
     assert net.predict(image(), paths[1], keep="labels", max_chunk=16, overwrite=True) == paths[1]
-    (np_image,), (half_image,) = series(paths[1])
+    (np_image,), _ = series(paths[1])
     assert len(np_image.data) == 1 and np.asarray(np_image.data[0]).dtype == np.uint8
 
     # a failure while the levels are written leaves the earlier prediction as it was, and no temporary sibling
@@ -226,7 +226,8 @@ def test_several_ome_refusals_before_remote_work(world, monkeypatch, tmp_path):
     monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))
     x, out = image(), str(tmp_path / "p.ome.zarr")
     refused = [
-        (dict(keep={"nuclei": "labels"}), r"keep= names \['nuclei'\], but this model's dense outputs are \['np', 'half'\]"),
+        (dict(keep={"nuclei": "labels"}),
+         r"keep= names \['nuclei'\], but this model's dense outputs are \['np', 'half'\]"),
         (dict(keep={"cls": "float"}), r"keep= names \['cls'\].*vectors are not written"),
         (dict(levels={"half": 9}), r"output 'half' \(\(64, 32\)\): levels=9 is more than"),
         (dict(levels=8), r"output 'half' \(\(64, 32\)\): levels=8 is more than"),  # np halves 8 times (128), half not
