@@ -9,10 +9,22 @@ Three formats, by the name of ``out``:
 - ``NAME.ome.tif``: the same pyramid as a tiled, pyramidal OME-TIFF (tifffile), written by the driver
   tile by tile from the OME-Zarr the workers wrote (one tile in memory at a time; a TIFF has one writer).
 
-A model returning several outputs (a list, tuple or dict: deep supervision, HoVerNet's heads) writes a
-``NAME.zarr`` group holding an array per dense output, named by its place in the structure (``"0"``,
-``"np"``); vectors per image are not written (``net.full(x)`` returns them). Both modes: the workers or
-the SPMD ranks each write their region of every dense output from one forward.
+A model returning several outputs (a list, tuple or dict: deep supervision, HoVerNet's heads) writes
+each dense output under its name, its place in the structure (``"0"``, ``"np"``; ``output_names``);
+vectors per image are not written (``net.full(x)`` returns them):
+
+- ``NAME.zarr``: a zarr group holding an array per dense output;
+- ``NAME.ome.zarr``: one NGFF container holding an OME-Zarr image per dense output, each its own pyramid
+  (NGFF 0.5's ``bioformats2raw.layout``: images ``0``, ``1``, ... listed by the ``OME`` group's ``series``;
+  why that convention: ``bigconv.data.pyramid``'s doc). Each image has its own levels, its own pixel size
+  (the input's times that output's own stride: a deep-supervision map at half resolution has twice the
+  pixel), its own kept kinds and class names where ``keep=``, ``levels=`` and ``classes=`` are dicts by
+  output name (one value applies to every output);
+- ``NAME.ome.tif``: the same images as the series of one pyramidal OME-TIFF (one kind of a 2D output
+  each, no float16), copied by the driver (rank 0) from the OME-Zarr container the workers wrote.
+
+Both modes: the workers or the SPMD ranks each write their region of every dense output from one
+forward, then each further level of every image from their own regions.
 
 Whatever the format, nothing the user had is lost (``bigconv.data.outputs``): the output is refused
 before any remote work when it is, holds or lies inside an input or exists without bigconv's mark, and
@@ -23,6 +35,7 @@ checks ``out`` and makes the store and every rank learns of every failure (``big
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 from .data import outputs, pyramid
@@ -42,15 +55,16 @@ def output_format(out: str) -> str:
     return "zarr"
 
 
-def pixel_size(plan, x, mpp) -> tuple[list[float], bool]:
+def pixel_size(plan, x, mpp, out_shape=None) -> tuple[list[float], bool]:
     """The output's pixel size per spatial axis in micrometres (and True), from ``mpp`` (the input's, a
-    number) or the sources' own; else 1 input pixel (and False: no unit)."""
+    number) or the sources' own; else 1 input pixel (and False: no unit). ``out_shape``: one output's spatial
+    shape among several (its stride against the input scales its pixel), else the plan's one output's."""
     if mpp is None and is_source_batch(x):
         known = {s.mpp for s in x}
         mpp = known.pop() if len(known) == 1 else None
     if mpp is not None and (isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not mpp > 0):
         raise ValueError(f"mpp must be a positive number of microns per input pixel, got {mpp!r}")
-    stride = [i / o for i, o in zip(plan.in_shape, plan.out_shape)]
+    stride = [i / o for i, o in zip(plan.in_shape, plan.out_shape if out_shape is None else out_shape)]
     return [float(mpp if mpp is not None else 1.0) * s for s in stride], mpp is not None
 
 
@@ -86,68 +100,163 @@ def output_names(plan) -> list[str]:
     return [".".join(str(getattr(k, "idx", getattr(k, "key", k))) for k in path) for path, _ in paths]
 
 
-def _check_several(plan, fmt: str, kinds: tuple[str, ...], levels, classes) -> list[str | None]:
-    """Several outputs go to one zarr group, an array per dense output named by ``output_names``; each
-    output's name, or None for a vector (not written). Refused before remote work where that cannot be."""
-    if fmt != "zarr":
-        raise ValueError(f"this model returns {len(plan.outputs)} outputs; predict writes them to one .zarr group "
-                         "(an array per dense output), not to an OME-Zarr or OME-TIFF image: give out= a .zarr name, "
-                         "or predict with a wrapper returning the one map to write")
-    if len(kinds) > 1 or levels not in (None, 1) or classes is not None:
-        raise ValueError("several outputs are written as one kind each (keep= one of float, float16, probabilities, "
-                         "labels), one level, no class names")
+def _by_output(value, what: str, names: list, default=None) -> list:
+    """``value`` for each output: one value for every written output, or a dict by output name (an output
+    it does not name gets ``default``); None for an output not written. Unknown names are refused."""
+    written = [n for n in names if n is not None]
+    if not isinstance(value, dict):
+        return [None if n is None else (default if value is None else value) for n in names]
+    given = {str(k): v for k, v in value.items()}
+    unknown = sorted(set(given) - set(written))
+    if unknown:
+        raise ValueError(f"{what}= names {unknown}, but this model's dense outputs are {written} (list and tuple "
+                         "items by index, dict entries by key, nested ones joined by dots); vectors are not written")
+    return [None if n is None else given.get(n, default) for n in names]
+
+
+@dataclass(frozen=True)
+class Several:
+    """What a prediction of several outputs writes, per output tensor (None where it is not written, a
+    vector per image): its name, its kept kinds, and for a ``.zarr`` group its chunks or for an OME-Zarr
+    container its image ``(pyramid spec, pixel size, unit known, classes, name)``."""
+
+    names: tuple
+    kinds: tuple
+    shapes: tuple
+    """Each output's spatial shape."""
+    full: tuple
+    """Each output's full shape (N, C, *spatial)."""
+    grid: tuple
+    dtype: str
+    chunks: tuple = ()
+    images: tuple = ()
+    tiff: bool = False
+    """An OME-TIFF of several series: the images are staged in an OME-Zarr container, then copied."""
+
+    @property
+    def ome(self) -> bool:
+        return bool(self.images)
+
+    @property
+    def levels(self) -> int:
+        return max((i[0].levels for i in self.images if i is not None), default=1)
+
+    def create(self, tmp: str) -> list:
+        """The empty arrays (or images) in the marked group ``tmp``: each output's path, None if not written."""
+        if self.ome:
+            roots = iter(pyramid.create_collection(tmp, [i for i in self.images if i is not None]))
+            return [None if i is None else next(roots) for i in self.images]
+        import zarr
+
+        group = zarr.open_group(tmp, mode="r+")
+        made = []
+        for name, kinds, shape, chunk, full in zip(self.names, self.kinds, self.shapes, self.chunks, self.full):
+            if name is None:
+                made.append(None)
+                continue
+            channels = pyramid.kept_channels(kinds[0], full[1])
+            group.create_array(name, shape=(full[0], channels, *shape), chunks=(1, channels, *chunk),
+                               dtype=pyramid.kept_dtype(kinds[0], self.dtype, full[1]))
+            made.append(os.path.join(tmp, name))
+        return made
+
+    def write_tiff(self, tmp: str, made: list, path: str) -> str:
+        """The OME-TIFF at a temporary sibling of ``path`` from the container ``tmp`` (then removed): one
+        series per image, in order; its path."""
+        tif = outputs.temporary(path, staging=tmp)
+        try:
+            pyramid.write_ome_tiff_series(tif, [(root, i[0], i[1], i[2], i[4]) for root, i in zip(made, self.images)
+                                                if i is not None])
+        except BaseException:
+            outputs.abandon(tif)
+            raise
+        outputs.abandon(tmp)
+        return tif
+
+    def targets(self, made: list, coord) -> list:
+        """One shard's ``ModelPart.predict_several`` targets: ``("ome", image root, spec, coord)`` or
+        ``(array path, the shard's box, kind)``, None where nothing is written."""
+        if self.ome:
+            return [None if i is None else ("ome", root, i[0], tuple(coord)) for i, root in zip(self.images, made)]
+        return [None if p is None else (p, shard_box(shape, self.grid, coord), kinds[0])
+                for p, shape, kinds in zip(made, self.shapes, self.kinds)]
+
+
+def _check_several(plan, x, fmt: str, keep, levels, mpp, classes, max_chunk: int) -> Several:
+    """Several outputs go to one zarr group (an array per dense output, named by ``output_names``), one
+    OME-Zarr container (an NGFF image per dense output, ``bigconv.data.pyramid.create_collection``) or one
+    OME-TIFF (a series per dense output, copied from such a container).
+    Everything is refused here, before remote work, where it cannot be written."""
     names = [name if shape is not None else None for name, (shape, _) in zip(output_names(plan), plan.outputs)]
     if not any(names):
         raise ValueError(f"predict writes dense maps, but none of this model's {len(names)} outputs is one (vectors "
                          "per image); use net.full(x) for them")
-    if kinds[0] == "labels":
-        thin = [n for n, (shape, full) in zip(names, plan.outputs) if n is not None and full[1] < 2]
-        if thin:
-            raise ValueError(f"keep='labels' takes the argmax over the channels, but output(s) {thin} have one "
-                             "channel; keep 'probabilities' (a sigmoid) or 'float' instead")
-    return names
-
-
-def _several_chunks(plan, names: list, max_chunk: int) -> list:
-    """Each written output's chunks (never crossing shards; refused where they cannot be), None where not
-    written."""
-    return [None if n is None else outputs.aligned_chunks(shape, plan.grid, max_chunk)
-            for n, (shape, _) in zip(names, plan.outputs)]
-
-
-def _create_several(tmp: str, plan, names: list, chunks: list, kind: str, dtype: str) -> list:
-    """The arrays of several outputs in the zarr group ``tmp``: for each output ``(its array's path, its
-    spatial shape)``, or None for one not written."""
-    import zarr
-
-    group = zarr.open_group(tmp, mode="r+")
-    arrays = []
-    for name, (shape, full), chunk in zip(names, plan.outputs, chunks):
-        if name is None:
-            arrays.append(None)
-            continue
-        channels = pyramid.kept_channels(kind, full[1])
-        group.create_array(name, shape=(full[0], channels, *shape), chunks=(1, channels, *chunk),
-                           dtype=pyramid.kept_dtype(kind, dtype, full[1]))
-        arrays.append((os.path.join(tmp, name), shape))
-    return arrays
-
-
-def _predict_several(net, x, out, plan, overwrite: bool, max_chunk: int, kind: str, names: list) -> str:
-    """``predict`` of a model with several outputs: a zarr group at ``out`` holding an array per dense output
-    (``names``), each worker writing its region of every one in the same forward."""
-    path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
+    kinds = [None if k is None else pyramid.check_keep(k) for k in _by_output(keep, "keep", names, "float")]
+    per_levels = _by_output(levels, "levels", names)
+    per_classes = _by_output(classes, "classes", names)
+    full = [f for _, f in plan.outputs]
+    several_kinds = any(k is not None and len(k) > 1 for k in kinds)
+    if fmt == "zarr" and (several_kinds or any(lv not in (None, 1) for lv in per_levels)
+                          or any(c is not None for c in per_classes)):
+        raise ValueError("a .zarr group holds one kind, one level and no class names per output; write an .ome.zarr "
+                         "for labels beside an image, levels or class names")
+    thin = [n for n, k, f in zip(names, kinds, full) if n is not None and "labels" in k and f[1] < 2]
+    if thin:
+        raise ValueError(f"keep='labels' takes the argmax over the channels, but output(s) {thin} have one "
+                         "channel; keep 'probabilities' (a sigmoid) or 'float' instead")
+    for n, c, f in zip(names, per_classes, full):
+        if c is not None and (not isinstance(c, (list, tuple)) or len(c) != f[1]):
+            raise ValueError(f"classes for output {n!r} must name each of its {f[1]} channels, got {c!r} (give "
+                             "classes= a dict by output name where the outputs' channels differ)")
     dtype = _input_dtype(x)
-    chunks = _several_chunks(plan, names, max_chunk)  # refused here, before remote work, where they cannot be
+    shapes = tuple(shape for shape, _ in plan.outputs)
+    base = dict(names=tuple(names), kinds=tuple(kinds), shapes=shapes, grid=tuple(plan.grid), dtype=dtype,
+                full=tuple(full))
+    if fmt == "zarr":  # chunks never crossing shards, refused here where they cannot be
+        return Several(**base, chunks=tuple(None if n is None else outputs.aligned_chunks(shape, plan.grid, max_chunk)
+                                            for n, shape in zip(names, shapes)))
+    if fmt == "ome.tif":
+        for n, k, shape in zip(names, kinds, shapes):
+            if n is not None and (len(k) > 1 or len(shape) != 2 or "float16" in k):
+                raise ValueError(f"output {n!r}: an OME-TIFF series holds one kind of a 2D output, not float16 (got "
+                                 f"keep={k!r}, {len(shape)} spatial axes); write an .ome.zarr for labels beside an "
+                                 "image, a 3D output or float16")
+    batch = next(f[0] for n, f in zip(names, full) if n is not None)
+    if batch != 1:
+        raise ValueError(f"an OME-Zarr or OME-TIFF holds one image per output, but this batch has {batch}; predict "
+                         "one slide per call (for s in slides: net.predict([s], out=...))")
+    images = []
+    for n, k, lv, c, shape, f in zip(names, kinds, per_levels, per_classes, shapes, full):
+        if n is None:
+            images.append(None)
+            continue
+        try:
+            spec = pyramid.spec_for(k, f[1], dtype, shape, plan.grid, lv, max_chunk, ome=True)
+        except ValueError as exc:
+            hint = " (levels= takes a dict by output name)" if str(exc).startswith("levels=") else ""
+            raise ValueError(f"output {n!r} ({tuple(shape)}): {exc}{hint}") from None
+        pixel, unit = pixel_size(plan, x, mpp, shape)
+        images.append((spec, pixel, unit, c, n))
+    return Several(**base, images=tuple(images), tiff=fmt == "ome.tif")
+
+
+def _predict_several(net, x, out, plan, overwrite: bool, several: Several) -> str:
+    """``predict`` of a model with several outputs: a zarr group or an OME-Zarr container at ``out``
+    (``several``), each worker writing its region of every output in the same forward, then (OME) each
+    further level of every image."""
+    path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
     shards = net._shard_calls(plan, x)
     coords = list(all_coords(plan.grid))
     net.world.check_usable()
-    tmp = outputs.begin_group(path)
+    tmp = outputs.begin_group(path + ".zarr" if several.tiff else path)
     try:
-        arrays = _create_several(tmp, plan, names, chunks, kind, dtype)
-        work = [(s, [None if a is None else (a[0], shard_box(a[1], plan.grid, c)) for a in arrays], kind)
-                for s, c in zip(shards, coords)]
+        made = several.create(tmp)
+        work = [(s, several.targets(made, c)) for s, c in zip(shards, coords)]
         net._wait(net._launch("predict_several", work), f"prediction {shards[0].call} (predict_several)")
+        for k in range(1, several.levels):
+            net._wait(net._launch("pyramid_level", [(k,)] * len(shards)), f"prediction {shards[0].call} (level {k})")
+        if several.tiff:
+            tmp = several.write_tiff(tmp, made, path)
     except BaseException:
         if not net.world.broken:
             outputs.abandon(tmp)
@@ -159,40 +268,55 @@ def _input_dtype(x) -> str:
     return str(SourceBatch(x).dtype if is_source_batch(x) else x.dtype).replace("torch.", "")
 
 
-def _predict_several_spmd(net, x, out, plan, overwrite: bool, max_chunk: int, kind: str, names: list) -> str:
-    """``predict_spmd`` of a model with several outputs: rank 0 makes the zarr group at ``out`` (an array per
-    dense output, ``names``), every rank writes its region of every one from one forward."""
+def _predict_several_spmd(net, x, out, plan, overwrite: bool, several: Several) -> str:
+    """``predict_spmd`` of a model with several outputs: rank 0 makes the zarr group or OME-Zarr container at
+    ``out``, every rank writes its region of every output from one forward, then (OME) of each further level
+    of every image (a collective after each, so a level is complete before the next reads it)."""
     from .engine import step as shard_step
     from .engine.plan import output_leaves
     from .geometry.boxes import box_index, coord_of
     from .runtime import spmd_outputs
 
-    dtype = _input_dtype(x)
-    chunks = _several_chunks(plan, names, max_chunk)  # refused on every rank alike, before the store is made
-
     def make() -> tuple[str, tuple]:  # on rank 0 only; every rank gets its answer
         path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
-        tmp = outputs.begin_group(path)
+        tmp = outputs.begin_group(path + ".zarr" if several.tiff else path)
         try:
-            return path, (tmp, _create_several(tmp, plan, names, chunks, kind, dtype))
+            return path, (tmp, several.create(tmp))
         except BaseException:
             outputs.abandon(tmp)
             raise
 
-    path, (tmp, arrays) = spmd_outputs.made_by_rank_zero(net.world, net.engine, make, "predict")
-    coord = coord_of(net.mesh.shard, plan.grid)
+    path, (tmp, made) = spmd_outputs.made_by_rank_zero(net.world, net.engine, make, "predict")
+    targets = several.targets(made, coord_of(net.mesh.shard, plan.grid))
+    writers = []
 
     def write() -> None:
         leaves = output_leaves(shard_step.forward(net.engine, net._shard_call(plan, x), False))
-        for t, array in zip(leaves, arrays):
-            if array is not None:  # this rank's box of the output's own grid, of its replica's images
-                array_path, shape = array
-                outputs.write(array_path, box_index(shard_box(shape, plan.grid, coord), t.dim(), net._items(x)),
-                              pyramid.convert(kind, t, t.shape[1]))
+        for t, target in zip(leaves, targets):
+            if target is None:
+                continue
+            if several.ome:
+                writers.append(pyramid.LevelWriter(target[2], target[1], target[3]))
+                writers[-1].first(t)
+            else:  # this rank's box of the output's own grid, of its replica's images
+                array_path, box, kind = target
+                outputs.write(array_path, box_index(box, t.dim(), net._items(x)), pyramid.convert(kind, t, t.shape[1]))
 
-    spmd_outputs.together(net.world, net.engine, write, "predict (several outputs)", tmp, f"; {out!r} is as it was")
+    def together(work, what: str) -> None:
+        spmd_outputs.together(net.world, net.engine, work, f"predict ({what})", tmp, f"; {out!r} is as it was")
+
+    together(write, "several outputs")
+    for k in range(1, several.levels):
+        together(lambda k=k: pyramid.Writers(writers).next(k), f"several outputs, level {k}")
     if net.world.rank == 0:
-        outputs.finish(tmp, path)
+        final = tmp
+        if several.tiff:
+            try:
+                final = several.write_tiff(tmp, made, path)
+            except BaseException:
+                outputs.abandon(tmp)
+                raise
+        outputs.finish(final, path)
     net.world.barrier()
     return path
 
@@ -217,9 +341,8 @@ def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep
     """``ParallelModel.predict`` (see its doc)."""
     plan = net.plan(x)
     if plan.several:
-        kinds = pyramid.check_keep(keep)
-        names = _check_several(plan, output_format(out), kinds, levels, classes)
-        return _predict_several(net, x, out, plan, overwrite, max_chunk, kinds[0], names)
+        several = _check_several(plan, x, output_format(out), keep, levels, mpp, classes, max_chunk)
+        return _predict_several(net, x, out, plan, overwrite, several)
     kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
                                                                              classes, max_chunk)
     path = outputs.check_out(out, [s.path for s in x] if is_source_batch(x) else [], overwrite)
@@ -241,7 +364,7 @@ def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep
         for method, args in work:
             net._wait(net._launch(method, args), f"prediction {shards[0].call} ({method})")
         if fmt == "ome.tif":
-            tif = outputs.temporary(path)
+            tif = outputs.temporary(path, staging=tmp)
             try:
                 pyramid.write_ome_tiff(tmp, tif, spec, pixel, unit)
             except BaseException:
@@ -267,9 +390,8 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
 
     plan = net.plan(x)
     if plan.several:  # the driver mode's checks, on every rank alike
-        kinds = pyramid.check_keep(keep)
-        names = _check_several(plan, output_format(out), kinds, levels, classes)
-        return _predict_several_spmd(net, x, out, plan, overwrite, max_chunk, kinds[0], names)
+        several = _check_several(plan, x, output_format(out), keep, levels, mpp, classes, max_chunk)
+        return _predict_several_spmd(net, x, out, plan, overwrite, several)
     kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec = _prepared(net, x, out, keep, levels, mpp,
                                                                              classes, max_chunk)
 
@@ -307,7 +429,7 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
     if net.world.rank == 0:
         final = tmp
         if fmt == "ome.tif":
-            final = outputs.temporary(path)
+            final = outputs.temporary(path, staging=tmp)
             try:
                 pyramid.write_ome_tiff(tmp, final, spec, pixel, unit)
             except BaseException:

@@ -43,11 +43,11 @@ def _predict(name: str, folder: str):
 
 
 def _refusals(folder: str):
-    """The driver mode's refusals, raised alike on every rank: an OME format, outputs that are all vectors,
+    """The driver mode's refusals, raised alike on every rank: an OME-TIFF, outputs that are all vectors,
     and (checked by rank 0 alone) an ``out`` bigconv did not write, even with ``overwrite=True``."""
     def run(world):
         said = []
-        for model_case, out in (("deep-supervision", "p.ome.zarr"), ("two-heads", "q.zarr"),
+        for model_case, out in (("deep-supervision", "p.ome.tif"), ("two-heads", "q.zarr"),
                                 ("dict-heads", "not-ours.zarr")):
             model, x, _, _ = case(model_case)
             x = predict_input(2) if out == "not-ours.zarr" else x  # chunk edges on the shards' (the case's 11x9 has none)

@@ -56,8 +56,8 @@ def test_predict_several_refusals_before_remote_work(world, monkeypatch, tmp_pat
     model, x, _, _ = case("deep-supervision")
     net = bigconv.parallelize(model, world, grid=(2, 2))
     monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))
-    with pytest.raises(ValueError, match="not to an OME-Zarr or OME-TIFF image"):
-        net.predict(x, str(tmp_path / "p.ome.zarr"))
+    with pytest.raises(ValueError, match="OME-TIFF holds one image per output, but this batch has 2"):
+        net.predict(x, str(tmp_path / "p.ome.tif"))
     model, x, _, _ = case("two-heads")
     net = bigconv.parallelize(model, world, grid=(2, 2))
     monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))

@@ -33,8 +33,8 @@ def test_several_outputs_refusals_before_remote_work(world, monkeypatch):
     model, x, y, loss = case("deep-supervision")
     net = bigconv.parallelize(model, world, grid=(2, 2))
     monkeypatch.setattr(net, "_launch", lambda *_: pytest.fail("remote work started"))
-    with pytest.raises(ValueError, match="this model returns 2 outputs; predict writes them to one .zarr group"):
-        net.predict(x, "/tmp/unused.ome.zarr")
+    with pytest.raises(ValueError, match="OME-TIFF holds one image per output, but this batch has 2"):
+        net.predict(x, "/tmp/unused.ome.tif")
     with pytest.raises(ValueError, match="loss_fn cannot take the model's outputs"):
         net.gradients(x, [y[0], y[0]], loss)  # the half-resolution target has the wrong shape
 

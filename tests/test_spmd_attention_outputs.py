@@ -82,11 +82,11 @@ def test_predict_refusals_on_every_rank(runs):
     per_rank = _per_rank(runs, "predict/refusals")
     assert all(said == per_rank[0] for said in per_rank)  # the same error on every rank
     ome, vectors, theirs = per_rank[0]
-    assert "not to an OME-Zarr or OME-TIFF image" in ome
+    assert "OME-TIFF holds one image per output, but this batch has 2" in ome
     assert "none of this model's 2 outputs is one" in vectors
     assert theirs.startswith("predict refused on rank 0") and "not written by bigconv" in theirs, theirs
     assert sorted(os.listdir(folder / "not-ours.zarr")) == ["notes.txt"]  # the user's folder, untouched
-    assert not (folder / "p.ome.zarr").exists() and not (folder / "q.zarr").exists()
+    assert not (folder / "p.ome.tif").exists() and not (folder / "q.zarr").exists()
     assert not [n for n in os.listdir(folder) if "partial" in n]  # every store made was moved into place
 
 

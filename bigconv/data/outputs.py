@@ -135,8 +135,10 @@ def begin_group(out: str) -> str:
     return tmp
 
 
-def temporary(out: str) -> str:
-    stale = stale_partials(out)
+def temporary(out: str, staging: str | None = None) -> str:
+    """A fresh temporary sibling of ``out``; ``staging``: this prediction's own OME-Zarr staging an OME-TIFF,
+    not named as an interrupted run's."""
+    stale = [p for p in stale_partials(out) if staging is None or os.path.abspath(p) != os.path.abspath(staging)]
     if stale:  # another run may still be writing one: name them, never delete what may be in use
         warnings.warn(f"temporary outputs of earlier, interrupted predictions lie beside {out!r}: "
                       f"{', '.join(stale)}; delete them once no prediction runs", stacklevel=4)

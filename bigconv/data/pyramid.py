@@ -27,6 +27,19 @@ Nothing the size of a level reaches the driver.
 the source's microns per pixel times the model's output stride times 2^k; translation: the centre of a
 mean's block); class maps are label images (``image-label`` with a colour and name per class), under
 ``labels/classes`` of the probability image when both are kept.
+
+**Several images in one container** (a model with several dense outputs: deep supervision's maps at
+several scales, HoVerNet's heads; ``create_collection``). NGFF 0.5 defines one convention for a container
+of several independent images, each with its own multiscales: the ``bioformats2raw.layout`` (NGFF 0.5,
+section 2.2 "bioformats2raw.layout", https://ngff.openmicroscopy.org/0.5/#bf2raw). The root's ``ome``
+attributes say ``"bioformats2raw.layout": 3``; the images are the groups ``0``, ``1``, ... (consecutive
+numbers, so that readers that ignore the series list, such as ``ome-zarr-models``, find them too), each a
+complete image as above (its own levels, pixel size, kind and labels) named in its ``multiscales`` by the
+output's name; the ``OME`` group's ``series`` lists their paths in order. Why this one: plates and wells
+(the other multi-image convention) describe a microscope's wells and fields, not maps of one slide, and
+labels are integer segmentations, not float maps. Not written: ``OME/METADATA.ome.xml`` (a SHOULD, used by
+Bio-Formats' OME-XML readers): OME-XML has no pixel type for ``float16``, and the ``series`` list already
+names every image for NGFF readers.
 """
 
 from __future__ import annotations
@@ -178,6 +191,18 @@ def _index(box) -> tuple:
     return (slice(None),) + tuple(slice(a, b) for a, b in box)
 
 
+@dataclass(frozen=True)
+class Pyramids:
+    """The pyramids of several images written together (``Writers``): each has its own levels."""
+
+    specs: tuple[Pyramid, ...]
+
+    @property
+    def levels(self) -> int:
+        """The most levels of any image: the driver asks for each level up to it."""
+        return max(s.levels for s in self.specs)
+
+
 class LevelWriter:
     """A worker's side of a pyramid: its region of the level it wrote last, kept for the next."""
 
@@ -217,6 +242,20 @@ class LevelWriter:
                 raise RuntimeError(f"level {level}: reduced {reduced.shape[1:]} for the region {box}")
             zarr.open_array(array_path(self.root, group, level), mode="r+")[_index(box)] = reduced
             self.kept[kind] = (box, reduced)
+
+
+class Writers:
+    """A worker's side of several pyramids (one per dense output of one forward): each ``LevelWriter``
+    writes the levels its own image has and skips the rest."""
+
+    def __init__(self, writers: Sequence[LevelWriter]) -> None:
+        self.writers = list(writers)
+        self.spec = Pyramids(tuple(w.spec for w in self.writers))
+
+    def next(self, level: int) -> None:
+        for w in self.writers:
+            if level < w.spec.levels:
+                w.next(level)
 
 
 # -- the store and its metadata, written by the driver before the workers start ----------------------------------
@@ -275,6 +314,26 @@ def create(tmp: str, spec: Pyramid, pixel: Sequence[float], unit: bool, classes:
     root.attrs[outputs.MARK_KEY] = outputs.MARK
 
 
+def create_collection(tmp: str, images: Sequence[tuple]) -> list[str]:
+    """The empty NGFF container of several images at ``tmp`` (``outputs.begin_group``'s marked group): the
+    ``bioformats2raw.layout`` (see the module doc), image ``i`` in the group ``str(i)`` made by ``create``
+    from ``images[i] = (spec, pixel, unit, classes, name)``. Each image's root path, in order."""
+    import os
+
+    import zarr
+
+    root = zarr.open_group(tmp, mode="r+")
+    series = [str(i) for i in range(len(images))]
+    roots = []
+    for path, (spec, pixel, unit, classes, name) in zip(series, images):
+        root.require_group(path)
+        roots.append(os.path.join(tmp, path))
+        create(roots[-1], spec, pixel, unit, classes, name)
+    root.require_group("OME").attrs["ome"] = {"version": NGFF_VERSION, "series": series}
+    root.attrs["ome"] = {"version": NGFF_VERSION, "bioformats2raw.layout": 3}
+    return roots
+
+
 def spec_for(kinds: tuple[str, ...], channels: int, dtype: str, spatial: Sequence[int], grid: Sequence[int],
              levels: int | None, max_chunk: int, ome: bool) -> Pyramid:
     """The pyramid of a prediction of ``spatial`` on ``grid``: its levels, chunks and writers' regions."""
@@ -318,17 +377,26 @@ def _tiles(array, tile: int):
 def write_ome_tiff(root: str, path: str, spec: Pyramid, pixel: Sequence[float], unit: bool) -> None:
     """Every level of the OME-Zarr at ``root`` (one kind) into a tiled, pyramidal OME-TIFF at ``path``:
     level 0 as the image, the others as its SubIFDs, each tile read from the zarr level as it is written."""
+    write_ome_tiff_series(path, [(root, spec, pixel, unit, None)])
+
+
+def write_ome_tiff_series(path: str, images: Sequence[tuple]) -> None:
+    """Several OME-Zarr images, ``images[i] = (root, spec, pixel, unit, name)``, as the series of one
+    OME-TIFF at ``path`` in order (each one pyramid as ``write_ome_tiff`` writes it; OME-XML names each
+    ``name``, or ``bigconv KIND``)."""
     import tifffile
     import zarr
 
-    kind, group = spec.arrays()[0]
-    levels = [zarr.open_array(array_path(root, group, k), mode="r") for k in range(spec.levels)]
-    tile = max(16, min(TIFF_TILE, 16 * -(-max(spec.shapes[0]) // 16)))
-    meta: dict = {"axes": "CYX", "Name": f"bigconv {kind}"}
-    if unit:
-        meta.update(PhysicalSizeY=pixel[0], PhysicalSizeX=pixel[1], PhysicalSizeYUnit="µm", PhysicalSizeXUnit="µm")
     with tifffile.TiffWriter(path, bigtiff=True, ome=True) as tif:
-        for k, a in enumerate(levels):
-            tif.write(_tiles(a, tile), shape=a.shape, dtype=a.dtype, tile=(tile, tile), photometric="minisblack",
-                      software=outputs.TIFF_SOFTWARE, compression="zlib",
-                      **({"subifds": spec.levels - 1, "metadata": meta} if k == 0 else {"subfiletype": 1}))
+        for root, spec, pixel, unit, name in images:
+            kind, group = spec.arrays()[0]
+            levels = [zarr.open_array(array_path(root, group, k), mode="r") for k in range(spec.levels)]
+            tile = max(16, min(TIFF_TILE, 16 * -(-max(spec.shapes[0]) // 16)))
+            meta: dict = {"axes": "CYX", "Name": name or f"bigconv {kind}"}
+            if unit:
+                meta.update(PhysicalSizeY=pixel[0], PhysicalSizeX=pixel[1], PhysicalSizeYUnit="µm",
+                            PhysicalSizeXUnit="µm")
+            for k, a in enumerate(levels):
+                tif.write(_tiles(a, tile), shape=a.shape, dtype=a.dtype, tile=(tile, tile), photometric="minisblack",
+                          software=outputs.TIFF_SOFTWARE, compression="zlib",
+                          **({"subifds": spec.levels - 1, "metadata": meta} if k == 0 else {"subfiletype": 1}))

@@ -181,15 +181,26 @@ class ModelPart:
         outputs.write(path, box_index(box, out.dim()), pyramid.convert(keep, out, out.shape[1]))
 
     def predict_several(self, shard: ShardCall, targets: list, keep: str = "float") -> None:
-        """``predict`` of a model with several outputs: ``targets[i]`` is ``(zarr array path, this shard's
-        box)`` for output tensor i, or None for one not written (a vector per image)."""
+        """``predict`` of a model with several outputs: ``targets[i]`` is, for output tensor i, ``(zarr array
+        path, this shard's box)`` or ``(path, box, kind)`` (``keep`` when none), ``("ome", image root, its
+        pyramid spec, this shard's coord)`` for level 0 of an OME-Zarr image whose next levels
+        ``pyramid_level`` writes, or None for one not written (a vector per image)."""
         from ..data import outputs, pyramid
 
+        self.pyramid = None
         leaves = self.forward(shard, grad=False)  # each output as sent: this shard's part of each dense one
+        writers = []
         for t, target in zip(leaves, targets):
-            if target is not None:
-                path, box = target
-                outputs.write(path, box_index(box, t.dim()), pyramid.convert(keep, t, t.shape[1]))
+            if target is None:
+                continue
+            if target[0] == "ome" and len(target) == 4:
+                writers.append(pyramid.LevelWriter(target[2], target[1], target[3]))
+                writers[-1].first(t)
+                continue
+            path, box, kind = target if len(target) == 3 else (*target, keep)
+            outputs.write(path, box_index(box, t.dim()), pyramid.convert(kind, t, t.shape[1]))
+        if writers:
+            self.pyramid = pyramid.Writers(writers)
 
     def predict_pyramid(self, shard: ShardCall, root: str, spec, coord) -> None:
         """Level 0 of an OME-Zarr pyramid: this shard's region; kept here for ``pyramid_level``."""
