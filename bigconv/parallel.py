@@ -228,7 +228,10 @@ class ParallelModel:
         ``NAME.ome.tif`` (the same as a pyramidal OME-TIFF). ``keep``: ``"float"``, ``"float16"``,
         ``"probabilities"`` (uint8 softmax), ``"labels"`` (argmax; a label image) or, for OME, an image
         kind and ``"labels"``. ``mpp``: the input's microns per pixel (default: the sources'); ``classes``:
-        the label image's class names. See ``bigconv.prediction`` and ``bigconv.data.pyramid``.
+        the label image's class names. A model with several outputs writes an image per dense output (a
+        ``.zarr`` group of arrays, or one OME container with a series each); ``keep``, ``levels`` and
+        ``classes`` then take one value for all or a dict by output name. See ``bigconv.prediction`` and
+        ``bigconv.data.pyramid``.
 
         ``out`` may not be, hold or lie inside an input; ``overwrite=True`` replaces only an output that
         bigconv wrote. The workers write into a temporary sibling that moves to ``out`` when all are done:
