@@ -198,9 +198,10 @@ def select(recipe: PaperRecipe, proto: Protocol, out: str, command: str = "") ->
 def report(recipe: PaperRecipe, proto: Protocol, out: str) -> str:
     """The fresh seeds' table and what it supports."""
     lines = _lines(out)
-    chosen = {r["method"]: r["chosen"] for r in lines if r.get("record") == "selection"
-              and r.get("trial_budget") == proto.trials and r.get("tuning_seeds") == list(proto.tune_seeds)
-              and same_recipe(r.get("recipe"), recipe_record(recipe, [], proto.val_per_class), "dann")}
+    selections = {r["method"]: r for r in lines if r.get("record") == "selection"
+                  and r.get("trial_budget") == proto.trials and r.get("tuning_seeds") == list(proto.tune_seeds)
+                  and same_recipe(r.get("recipe"), recipe_record(recipe, [], proto.val_per_class), "dann")}
+    chosen = {m: r["chosen"] for m, r in selections.items()}
     rows = [f"selection on the target validation split ({10 * proto.val_per_class} images), {proto.trials} trials "
             f"per row, tuning seeds {','.join(map(str, proto.tune_seeds))}; fresh seeds "
             f"{','.join(map(str, proto.seeds))} on the 1,000 test digits",
@@ -216,7 +217,16 @@ def report(recipe: PaperRecipe, proto: Protocol, out: str) -> str:
                     f"{interval(list(acc[m].values())).text(100) if acc[m] else '-'} |")
     if all(acc.get(m) for m in ("source_only", "dann", "dsn_dann")):
         rows += [""] + verdict(acc, "val")
+    if selections:
+        rows += ["", "the trials (validation accuracy %, tuning seeds; * chosen):"]
+        rows += [f"- {m}: " + "; ".join(_trial_text(t, t["trial"] == sel["chosen_trial"]) for t in sel["trials"])
+                 for m, sel in selections.items()]
     return "\n".join(rows)
+
+
+def _trial_text(trial: dict, chosen: bool) -> str:
+    setting = ", ".join(f"{k} {v:.3g}" for k, v in trial["params"].items())
+    return f"{'*' if chosen else ''}{trial['trial']}: {setting}: {100 * trial['val_acc']:.1f}"
 
 
 def main(recipe: PaperRecipe, proto: Protocol, opts: RunOptions, jobs: int, threads: int, report_only: bool) -> str:

@@ -76,5 +76,9 @@ def test_tuning_records_trials_on_val_a_selection_and_fresh_seeds_on_test(tmp_pa
     assert all(r["seed_role"] == "fresh" and r["selected_on"] == "val" for r in fresh)
     printed = capsys.readouterr().out
     assert "dsn_dann - dann, paired over seeds" in printed and "MET" not in printed
+    for r in sel:  # every trial is printed with its validation accuracy, the chosen one marked
+        listed = next(x for x in printed.splitlines() if x.startswith(f"- {r['method']}: "))
+        assert listed.count(": lr ") == 2 and f"*{r['chosen_trial']}: " in listed
+        assert f"{100 * r['trials'][0]['val_acc']:.1f}" in listed
     train.main(argv)  # all recorded: nothing trains, no second selection
     assert len(out.read_text().splitlines()) == len(lines)
