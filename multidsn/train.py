@@ -205,6 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tune:
         if args.recipe != "paper":
             raise SystemExit("--tune is for --recipe paper")
+        if args.out is None and getattr(args, "report", False) and not args.quick:
+            args.out = COMMITTED["paper"]  # the committed protocol's lines sit beside the earlier runs' there
         args.out = args.out or ("runs/multidsn_tuning_quick.jsonl" if args.quick else "runs/multidsn_tuning.jsonl")
         args.seeds = args.seeds or ([10, 11] if args.quick else [10, 11, 12, 13, 14])
         if args.quick and args.trials == 4:

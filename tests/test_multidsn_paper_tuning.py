@@ -82,3 +82,9 @@ def test_tuning_records_trials_on_val_a_selection_and_fresh_seeds_on_test(tmp_pa
         assert f"{100 * r['trials'][0]['val_acc']:.1f}" in listed
     train.main(argv)  # all recorded: nothing trains, no second selection
     assert len(out.read_text().splitlines()) == len(lines)
+
+
+def test_the_tuning_report_reads_the_committed_records_and_training_never_writes_them():
+    assert train.parse_args(["--tune", "--report"]).out == train.COMMITTED["paper"]
+    assert train.parse_args(["--tune"]).out == "runs/multidsn_tuning.jsonl"
+    assert train.parse_args(["--tune", "--quick", "--report"]).out == "runs/multidsn_tuning_quick.jsonl"
