@@ -180,10 +180,9 @@ def draws_to_load(saved, seed: int, seed_given: bool, path: str, model) -> dict 
                           "model's: forward 1), not from where the saved run stopped; save again to keep it",
                           stacklevel=3)
         return None
-    ok = isinstance(saved, dict) and all(isinstance(saved.get(k), int) and not isinstance(saved.get(k), bool)
-                                         and saved[k] >= 0 for k in ("seed", "forwards"))
-    if not ok:
-        raise ValueError(f"the checkpoint {path!r} has a malformed 'draws' entry {saved!r} (expected "
+    problem = draws_problem(saved)
+    if problem is not None:
+        raise ValueError(f"the checkpoint {path!r} has a malformed 'draws' entry {saved!r} ({problem}; expected "
                          "{'seed': int >= 0, 'forwards': int >= 0}); use the file net.save() wrote")
     if seed_given and saved["seed"] != seed:
         warnings.warn(f"the checkpoint {path!r} was saved by a model drawing with seed {saved['seed']}, this model "
