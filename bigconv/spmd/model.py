@@ -382,14 +382,16 @@ class SpmdModel(nn.Module):
     # -- state --------------------------------------------------------------------------------------------
     def replica_state_dicts(self, workers: int | None = None) -> list[dict]:
         parts = [None] * self.world.size
-        dist.all_gather_object(parts, self.engine.state_dict())
+        with self.engine.naming_lost_ranks("gathering the replicas' weights"):
+            dist.all_gather_object(parts, self.engine.state_dict())
         return parts[: workers or self.world.size]
 
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
         """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state, ``epoch`` and the
         random draws' seed and forward count included); every rank returns once it is on disk."""
         parts = [None] * self.world.size
-        dist.all_gather_object(parts, (rng_state(torch.device("cpu")), self.engine.draws_state()))
+        with self.engine.naming_lost_ranks("save: gathering the ranks' generator states"):
+            dist.all_gather_object(parts, (rng_state(torch.device("cpu")), self.engine.draws_state()))
         self.epoch = epoch if epoch is not None else self.epoch
         if self.world.rank == 0:
             ck = saving.checkpoint(self.engine.state_dict(), self.engine.optimizer_state(), self.optimizer_class,
@@ -433,7 +435,8 @@ class SpmdModel(nn.Module):
         given different ones, is a ``ValueError`` on every rank before any rank changes."""
         problem = draws_problem(state)
         every = [None] * self.world.size
-        dist.all_gather_object(every, (dict(state) if problem is None else None, problem))
+        with self.engine.naming_lost_ranks("load_draws_state: checking the ranks' states"):
+            dist.all_gather_object(every, (dict(state) if problem is None else None, problem))
         bad = [(rank, p) for rank, (_, p) in enumerate(every) if p is not None]
         if bad:
             raise ValueError(f"load_draws_state: rank {bad[0][0]}'s state is malformed: {bad[0][1]}; pass what "
