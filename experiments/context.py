@@ -3,7 +3,7 @@
     python -m experiments.context --quick      # 128² images, 1 seed, 2 dials, every method: a smoke run -> runs/
     python -m experiments.context --report     # the committed results/context.jsonl's table and figure
     python -m experiments.context              # the first sweep: 1024², 3 seeds x 4 dials x 3 methods -> runs/
-    python -m experiments.context --scaled     # issue 35's sweep: 512², 2 tasks, 5 methods, 5 seeds, chosen lrs
+    python -m experiments.context --scaled     # issue 35's sweep: 256², 2 tasks, 5 methods, 5 seeds, chosen lrs
 
 The data (``experiments.context_data``): two 8-pixel real MNIST digits ``dial`` tiles apart on one row of
 a black image. Task ``order``: a 6 and a 9, label 1 iff the 6 is left. Task ``same``: two of {3, 5, 8},
@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -142,12 +142,13 @@ def quick_setting(**kw) -> Setting:
                              methods=METHODS, out="runs/context_quick.jsonl", quick=True), **kw})
 
 
-SCALED = dict(size=512, tile=64, digit=8, seeds=(0, 1, 2, 3, 4), methods=METHODS, tasks=("order", "same"),
+SCALED = dict(size=256, tile=32, digit=8, seeds=(0, 1, 2, 3, 4), methods=METHODS, tasks=("order", "same"),
               stem="matched", lrs=(1e-3, 3e-3, 1e-2), out="runs/context_scaled.jsonl")
-"""``--scaled``: the sweep of issue 35 at a size that fits a few hours on 2 cores. Image and tiles halved
-(512², 64² tiles: still an 8x8 bag), the dials unchanged in tiles (so beyond one tile no tile holds both digits,
-whatever the task), the digits kept at 8 px (a 4-px digit is barely legible; 4 px is what ``downsampled``
-sees). Every method, both tasks, 5 seeds, the matched stem, 3 learning rates tried per (task, method)."""
+"""``--scaled``: the sweep of issue 35 at a size that fits a few hours on 2 cores. Image and tiles a quarter of the
+first sweep's per side (256², 32² tiles: still an 8x8 bag), the dials unchanged in tiles (so beyond one tile no
+tile holds both digits, whatever the task), the digits kept at 8 px (a 2-px digit is no digit; 4 px is what
+``downsampled`` sees). Every method, both tasks, 5 seeds, the matched stem, 3 learning rates tried per (task,
+method). 512² was tried first: its whole-image runs took 2-9 minutes each on this 2-core host (docs/context.md)."""
 
 
 def scaled_setting(**kw) -> Setting:
@@ -298,34 +299,57 @@ def _geometry(s: Setting) -> dict:
 
 
 class _Runner:
-    """Runs and records one (task, method, dial, seed, lr, split) at a time; a World is started on first need."""
+    """Records one (task, method, dial, seed, lr, split) at a time: run here (a World started on first need) or,
+    with ``jobs`` above 1, in fresh processes side by side (``experiments.context_jobs``)."""
 
-    def __init__(self, s: Setting, echo) -> None:
+    def __init__(self, s: Setting, echo, jobs: int = 1) -> None:
         from bigconv.harness.workload import environment
 
-        self.s, self.echo, self.env, self.world = s, echo, environment(), None
+        self.s, self.echo, self.env, self.world, self.jobs = s, echo, environment(), None, jobs
         self.done = recorded(s.out)
 
-    def __call__(self, task: str, method: str, layout: Layout, seed: int, lr: float, split: str, role: str | None,
-                 selected_on: str | None) -> dict | None:
+    def todo(self, item: tuple) -> bool:
+        task, method, layout, seed, lr, split, _, _ = item
+        return _key(self.s, method, layout.dial, seed, lr, task, split) not in self.done
+
+    def run(self, items: list[tuple]) -> list[dict]:
+        """Run and record every item (task, method, layout, seed, lr, split, seed_role, selected_on) not recorded
+        yet; the new records."""
+        items = [i for i in items if self.todo(i)]
+        if self.jobs == 1:
+            return [self._here(*i) for i in items]
+        from experiments.context_jobs import Job, run_jobs
+
+        new: list[dict] = []
+        jobs = [Job({"setting": _setting_fields(self.s), "task": i[0], "method": i[1], "dial": i[2].dial,
+                     "seed": i[3], "lr": i[4], "split": i[5]}, self.s.processes if i[1] == "whole" else 1,
+                    f"{i[0]} {i[1]} dial {i[2].dial:g} seed {i[3]} lr {i[4]:g} ({i[5]})", i)
+                for i in items]
+        run_jobs(jobs, self.jobs, lambda job, r, _: new.append(self.record(*job.item, r)), echo=self.echo)
+        return new
+
+    def _here(self, task, method, layout, seed, lr, split, role, selected_on) -> dict:
         s = self.s
-        if _key(s, method, layout.dial, seed, lr, task, split) in self.done:
-            return None
         if method == "whole" and self.world is None:
             import bigconv
 
             self.world = bigconv.World(workers=s.processes, threads_per_worker=1)
         t0 = time.perf_counter()
         r = run_one(s, method, layout, seed, lr, task, split, self.world)
-        env = self.env
+        return self.record(task, method, layout, seed, lr, split, role, selected_on,
+                           {**r, "train_s": time.perf_counter() - t0})
+
+    def record(self, task: str, method: str, layout: Layout, seed: int, lr: float, split: str, role: str | None,
+               selected_on: str | None, r: dict) -> dict:
+        s, env, r = self.s, self.env, dict(r)
         rec = {"bench": "context", "record": "run", "task": task, "split": split, "seed_role": role,
                "selected_on": selected_on, "method": method, "dial": float(layout.dial), "seed": seed,
                "accuracy": r.pop("accuracy"), "image_size": s.size, "tile_size": s.tile, "digit_size": s.digit,
                "distance_px": layout.distance, "processes": r.pop("processes"), "steps": s.steps, "batch": s.batch,
                "lr": lr, "optimizer": "Adam", "width": s.width, "test_images": s.test_images,
                "shrink": s.shrink if method == "downsampled" else None, "rule": RULES[task], "quick": s.quick, **r,
-               "train_s": time.perf_counter() - t0, "commit": env["commit"], "commit_dirty": env["commit_dirty"],
-               "torch": env["torch"], "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+               "commit": env["commit"], "commit_dirty": env["commit_dirty"], "torch": env["torch"], "env": env,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         records.append(s.out, rec)
         self.done.add(_record_key(rec))
         self.echo(f"  {task:5s} {method:11s} dial {layout.dial:<5g} seed {seed} lr {lr:g} ({split}): accuracy "
@@ -335,6 +359,38 @@ class _Runner:
     def close(self) -> None:
         if self.world is not None:
             self.world.close()
+
+
+def _setting_fields(s: Setting) -> dict:
+    """The fields a child process rebuilds ``s`` from (``child``)."""
+    return {f.name: getattr(s, f.name) for f in fields(s) if f.init}
+
+
+def child() -> None:
+    """One run of ``--jobs``: its spec (``_Runner.run``) as JSON on stdin, its result on stdout."""
+    import json
+    import sys
+
+    from experiments.context_jobs import RESULT
+
+    spec = json.load(sys.stdin)
+    torch.set_num_threads(1)
+    given = spec["setting"]
+    s = Setting(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+    layout = next(lay for lay in s.layouts if lay.dial == spec["dial"])
+    world = None
+    if spec["method"] == "whole":
+        import bigconv
+
+        world = bigconv.World(workers=s.processes, threads_per_worker=1)
+    try:
+        t0 = time.perf_counter()
+        r = run_one(s, spec["method"], layout, spec["seed"], spec["lr"], spec["task"], spec["split"], world)
+        r["train_s"] = time.perf_counter() - t0
+    finally:
+        if world is not None:
+            world.close()
+    print(RESULT + json.dumps(r), flush=True)
 
 
 def select_lr(s: Setting, task: str, method: str, recs: list[dict]) -> tuple[float, dict] | None:
@@ -374,21 +430,21 @@ def chosen_lrs(s: Setting, recs: list[dict]) -> dict[tuple[str, str], float]:
     return out
 
 
-def sweep(s: Setting, echo=print) -> list[dict]:
+def sweep(s: Setting, echo=print, jobs: int = 1) -> list[dict]:
     """The learning-rate trials (when ``s.lrs``), a ``selection`` record per (task, method), then every
-    (seed, task, dial, method) run not yet recorded in ``s.out``; the new records."""
-    run = _Runner(s, echo)
+    (seed, task, dial, method) run not yet recorded in ``s.out``; the new records. ``jobs`` above 1: that many
+    cores busy with runs side by side (a whole-image run takes ``s.processes``), the longest runs first."""
+    run = _Runner(s, echo, jobs)
     new: list[dict] = []
     try:
         if s.lrs:
             echo(f"learning-rate trials: {len(s.lrs)} per (task, method), seed {s.tune_seed}, validation digits")
+            trials = [(task, method, layout, s.tune_seed, lr, "val", "tuning", None) for task in s.tasks
+                      for method in s.methods for lr in s.lrs for layout in s.layouts]
+            new += run.run(sorted(trials, key=lambda i: i[1] != "whole") if jobs > 1 else trials)
+            recs = records.load(s.out)
             for task in s.tasks:
                 for method in s.methods:
-                    for lr in s.lrs:
-                        for layout in s.layouts:
-                            rec = run(task, method, layout, s.tune_seed, lr, "val", "tuning", None)
-                            new += [rec] if rec else []
-                    recs = records.load(s.out)
                     _, sel = select_lr(s, task, method, recs)
                     if not any(r.get("record") == "selection" and {**r, "time": None} == {**sel, "time": None}
                                for r in recs):
@@ -398,13 +454,10 @@ def sweep(s: Setting, echo=print) -> list[dict]:
         todo = len(s.seeds) * len(s.tasks) * len(s.layouts) * len(s.methods)
         echo(f"context sweep: {todo} run(s) of {s.out}")
         # Seed by seed, so that a sweep cut short has whole seeds of every task, dial and method.
-        for seed in s.seeds:
-            for task in s.tasks:
-                for layout in s.layouts:
-                    for method in s.methods:
-                        rec = run(task, method, layout, seed, lrs[task, method], "test",
-                                  "fresh" if s.lrs else None, "val" if s.lrs else None)
-                        new += [rec] if rec else []
+        tests = [(task, method, layout, seed, lrs[task, method], "test", "fresh" if s.lrs else None,
+                  "val" if s.lrs else None)
+                 for seed in s.seeds for task in s.tasks for layout in s.layouts for method in s.methods]
+        new += run.run(sorted(tests, key=lambda i: (i[3], i[1] != "whole")) if jobs > 1 else tests)
     finally:
         run.close()
     return new
@@ -496,7 +549,7 @@ def main(argv=None) -> None:
     scale.add_argument("--quick", action="store_true",
                        help="128² images, 1 seed, 2 dials, 6 steps, every method: a smoke run (about a minute)")
     scale.add_argument("--scaled", action="store_true",
-                       help="the sweep of issue 35 (SCALED): 512² images, 64² tiles, both tasks, every method, 5 "
+                       help="the sweep of issue 35 (SCALED): 256² images, 32² tiles, both tasks, every method, 5 "
                             "seeds, the matched stem, 3 learning rates tried per (task, method) on validation digits")
     parser.add_argument("--size", type=int, help="image edge (default: the scale's)")
     parser.add_argument("--tile", type=int, help="tile edge of the MIL baseline (default: the scale's)")
@@ -522,12 +575,17 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="results file: runs/context.jsonl, runs/context_quick.jsonl or "
                         f"runs/context_scaled.jsonl by scale; with --report at the default scale, {COMMITTED} "
                         "(default: by scale)")
+    parser.add_argument("--jobs", type=int, default=1, help="cores to keep busy with runs side by side, each in a "
+                        "fresh process (a whole-image run takes --processes of them); records are the same as one "
+                        "at a time (default: 1, every run in this process)")
     parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick|_scaled])")
     parser.add_argument("--report", action="store_true", help="train nothing: print the table and draw the figure "
                         "from the records already in --out")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report", "jobs")
              and v is not None}
     if args.report and args.out is None and not (args.quick or args.scaled):
         given["out"] = COMMITTED
@@ -536,7 +594,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     if not args.report:
         t0 = time.perf_counter()
-        sweep(s)
+        sweep(s, jobs=args.jobs)
         log.info("sweep: %.0f s this sitting", time.perf_counter() - t0)
     recs = records.load(s.out) if os.path.exists(s.out) else []
     mine = report_records(s, recs)

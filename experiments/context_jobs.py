@@ -1,0 +1,115 @@
+"""The context sweep's ``--jobs``: runs in fresh processes side by side, each taking as many cores as it uses.
+
+A run is one child process (``python -c 'from experiments.context import child; child()'``, its spec as JSON
+on stdin, its result as JSON on a line of stdout after ``RESULT``); only this parent writes records, so a records
+file never holds two runs' lines interleaved. A whole-image run takes ``processes`` slots (its workers, one
+thread each), every other run one; the queue is served in order, never overtaken, so a long run at its head
+waits for its slots instead of being starved by short ones behind it. A failed run is named with the end
+of its output and recorded nowhere; the others go on, and the sweep raises at the end naming every failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+CHILD = "from experiments.context import child; child()"
+RESULT = "context-run-result: "
+"""The child's result line starts with this (workers print to the same stdout)."""
+
+
+@dataclass
+class Job:
+    spec: dict
+    """What the child runs (``experiments.context.child`` reads it)."""
+    slots: int
+    """Cores it takes."""
+    label: str
+    """How messages name it."""
+    item: object = None
+    """The caller's own handle on it (given back to ``done``)."""
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    with open(path, errors="replace") as fh:
+        return "".join(fh.readlines()[-lines:])
+
+
+def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], None], echo=print,
+             poll: float = 0.2) -> None:
+    """Run every job, at most ``width`` slots busy at once (a job wider than ``width`` runs alone); ``done(job,
+    result, seconds)`` as each ends. Raises ``RunFailed`` naming every job that failed, after the others."""
+    if width < 1:
+        raise ValueError(f"jobs must be a positive integer, got {width!r}")
+    queue = list(jobs)
+    running: list[tuple[Job, subprocess.Popen, str, float]] = []
+    failed: list[str] = []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["OMP_NUM_THREADS"] = "1"
+    # SIGTERM (a `timeout`, a scheduler's end of allocation) unwinds through the finally below, so no child
+    # outlives the sweep; the records already written stay, and a rerun goes on from them.
+    old = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        while queue or running:
+            busy = sum(min(j.slots, width) for j, *_ in running)
+            while queue and busy + min(queue[0].slots, width) <= width:
+                job = queue.pop(0)
+                fd, log = tempfile.mkstemp(prefix="context_run_", suffix=".log")
+                out = os.fdopen(fd, "w")
+                proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=out,
+                                        stderr=subprocess.STDOUT, env=env, text=True)
+                out.close()
+                proc.stdin.write(json.dumps(job.spec))
+                proc.stdin.close()
+                running.append((job, proc, log, time.perf_counter()))
+                busy += min(job.slots, width)
+            time.sleep(poll)
+            for item in [r for r in running if r[1].poll() is not None]:
+                running.remove(item)
+                job, proc, log, t0 = item
+                result = _result(log) if proc.returncode == 0 else None
+                if result is None:
+                    failed.append(f"{job.label} (exit status {proc.returncode}):\n{_tail(log)}")
+                    echo(f"  FAILED {job.label}: exit status {proc.returncode}; its output ends:\n{_tail(log)}")
+                else:
+                    done(job, result, time.perf_counter() - t0)
+                os.unlink(log)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        for _, proc, log, _ in running:
+            proc.terminate()
+        for _, proc, log, _ in running:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            if os.path.exists(log):
+                os.unlink(log)
+    if failed:
+        raise RunFailed(f"{len(failed)} run(s) failed; the others are recorded, and a rerun retries only these:\n"
+                        + "\n".join(failed))
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _result(log: str) -> dict | None:
+    with open(log, errors="replace") as fh:
+        lines = [line[len(RESULT):] for line in fh.read().splitlines() if line.startswith(RESULT)]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
