@@ -240,7 +240,17 @@ def run_one(s: Setting, method: str, layout: Layout, seed: int, lr: float, task:
     xt, yt, _ = score.batch(s.test_images, score_seed)
     tail = losses[-max(1, len(losses) // 10):]
     return {"accuracy": _accuracy(predict, xt, yt), "train_loss_last": losses[-1],
-            "train_loss_tail": sum(tail) / len(tail), **extra}
+            "train_loss_tail": sum(tail) / len(tail), "loss_curve": _curve(losses), **extra}
+
+
+CURVE_POINTS = 30
+"""``loss_curve``: the mean training loss over each of this many equal runs of steps (fewer for short runs),
+so a record shows when a run began to learn, not only where it ended."""
+
+
+def _curve(losses: list[float]) -> list[float]:
+    n = max(1, len(losses) // CURVE_POINTS)
+    return [round(sum(losses[i:i + n]) / len(losses[i:i + n]), 4) for i in range(0, len(losses) - n + 1, n)]
 
 
 def run_whole(s: Setting, layout: Layout, seed: int, world) -> dict:
@@ -430,10 +440,11 @@ def chosen_lrs(s: Setting, recs: list[dict]) -> dict[tuple[str, str], float]:
     return out
 
 
-def sweep(s: Setting, echo=print, jobs: int = 1) -> list[dict]:
-    """The learning-rate trials (when ``s.lrs``), a ``selection`` record per (task, method), then every
-    (seed, task, dial, method) run not yet recorded in ``s.out``; the new records. ``jobs`` above 1: that many
-    cores busy with runs side by side (a whole-image run takes ``s.processes``), the longest runs first."""
+def sweep(s: Setting, echo=print, jobs: int = 1, trials_only: bool = False) -> list[dict]:
+    """The learning-rate trials (when ``s.lrs``), a ``selection`` record per (task, method), then (unless
+    ``trials_only``) every (seed, task, dial, method) run not yet recorded in ``s.out``; the new records. ``jobs``
+    above 1: that many cores busy with runs side by side (a whole-image run takes ``s.processes``), the longest
+    runs first."""
     run = _Runner(s, echo, jobs)
     new: list[dict] = []
     try:
@@ -450,6 +461,8 @@ def sweep(s: Setting, echo=print, jobs: int = 1) -> list[dict]:
                                for r in recs):
                         records.append(s.out, {**sel, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
                         echo(f"  {task} {method}: lr {sel['chosen_lr']:g} chosen on the validation digits")
+        if trials_only:
+            return new
         lrs = chosen_lrs(s, records.load(s.out) if os.path.exists(s.out) else [])
         todo = len(s.seeds) * len(s.tasks) * len(s.layouts) * len(s.methods)
         echo(f"context sweep: {todo} run(s) of {s.out}")
@@ -578,6 +591,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="cores to keep busy with runs side by side, each in a "
                         "fresh process (a whole-image run takes --processes of them); records are the same as one "
                         "at a time (default: 1, every run in this process)")
+    parser.add_argument("--trials-only", action="store_true", dest="trials_only",
+                        help="run the learning-rate trials and record the selections, then stop (the test runs "
+                        "reuse them later; how many steps a method needs shows in each trial's loss_curve)")
     parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick|_scaled])")
     parser.add_argument("--report", action="store_true", help="train nothing: print the table and draw the figure "
                         "from the records already in --out")
@@ -585,16 +601,21 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report", "jobs")
+    if args.trials_only and args.report:
+        parser.error("--trials-only trains, --report does not: give one of them")
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report", "jobs",
+                                                                 "trials_only")
              and v is not None}
     if args.report and args.out is None and not (args.quick or args.scaled):
         given["out"] = COMMITTED
     make = quick_setting if args.quick else scaled_setting if args.scaled else Setting
     s = make(**given)  # every layout is checked here: a ValueError names the limit
+    if args.trials_only and not s.lrs:
+        parser.error("--trials-only runs the learning-rate trials: give the rates to try (--lrs, or --scaled's)")
     torch.set_num_threads(1)
     if not args.report:
         t0 = time.perf_counter()
-        sweep(s, jobs=args.jobs)
+        sweep(s, jobs=args.jobs, trials_only=args.trials_only)
         log.info("sweep: %.0f s this sitting", time.perf_counter() - t0)
     recs = records.load(s.out) if os.path.exists(s.out) else []
     mine = report_records(s, recs)
