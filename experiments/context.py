@@ -416,7 +416,7 @@ def select_lr(s: Setting, task: str, method: str, recs: list[dict]) -> tuple[flo
                 acc[r["dial"]] = (r["accuracy"], r["train_loss_tail"])
         if len(acc) < len(s.dials):
             return None
-        trials.append({"lr": lr, "val_acc_mean": sum(a for a, _ in acc.values()) / len(acc),
+        trials.append({"lr": lr, "val_acc_mean": math.fsum(a for a, _ in acc.values()) / len(acc),
                        "val_acc": {str(d): a for d, (a, _) in sorted(acc.items())},
                        "train_loss_tail": {str(d): l for d, (_, l) in sorted(acc.items())}})
     best = max(trials, key=lambda t: (t["val_acc_mean"], -s.lrs.index(t["lr"])))
@@ -552,6 +552,10 @@ COMMITTED = "results/context.jsonl"
 """The first sweep's records: what ``--report`` reads at the default scale when no ``--out`` is given."""
 
 
+COMMITTED_SCALED = "results/context_scaled.jsonl"
+"""The ``--scaled`` sweep's records: what ``--scaled --report`` reads when no ``--out`` is given."""
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(t for t in text.split(",") if t)
 
@@ -586,8 +590,8 @@ def main(argv=None) -> None:
     parser.add_argument("--processes", type=int, help="bigconv workers (default: the scale's)")
     parser.add_argument("--shrink", type=int, help="edge the shrunk-image baseline trains on (default: the scale's)")
     parser.add_argument("--out", help="results file: runs/context.jsonl, runs/context_quick.jsonl or "
-                        f"runs/context_scaled.jsonl by scale; with --report at the default scale, {COMMITTED} "
-                        "(default: by scale)")
+                        f"runs/context_scaled.jsonl by scale; with --report, the committed {COMMITTED} (default scale) "
+                        f"or {COMMITTED_SCALED} (--scaled) (default: by scale)")
     parser.add_argument("--jobs", type=int, default=1, help="cores to keep busy with runs side by side, each in a "
                         "fresh process (a whole-image run takes --processes of them); records are the same as one "
                         "at a time (default: 1, every run in this process)")
@@ -606,8 +610,8 @@ def main(argv=None) -> None:
     given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report", "jobs",
                                                                  "trials_only")
              and v is not None}
-    if args.report and args.out is None and not (args.quick or args.scaled):
-        given["out"] = COMMITTED
+    if args.report and args.out is None and not args.quick:
+        given["out"] = COMMITTED_SCALED if args.scaled else COMMITTED
     make = quick_setting if args.quick else scaled_setting if args.scaled else Setting
     s = make(**given)  # every layout is checked here: a ValueError names the limit
     if args.trials_only and not s.lrs:
@@ -622,9 +626,16 @@ def main(argv=None) -> None:
     total = sum(r["train_s"] for r in runs_of(recs))
     print(f"{len(mine)} of {len(s.tasks) * len(s.layouts) * len(s.seeds) * len(s.methods)} runs recorded; the "
           f"training of every run in {s.out} took {total / 60:.1f} min in all")
-    for sel in (r for r in recs if r.get("record") == "selection" and r["task"] in s.tasks):
-        tried = ", ".join(f"{t['lr']:g} ({t['val_acc_mean']:.3f})" for t in sel["trials"])
-        print(f"selection: {sel['task']} {sel['method']}: lr {sel['chosen_lr']:g} of {tried} on validation digits")
+    for task, method in ((t, m) for t in s.tasks for m in s.methods if s.lrs):
+        picked = select_lr(s, task, method, recs)  # this setting's trials only (size, steps, dials, ...)
+        if picked is None:
+            print(f"selection: {task} {method}: trials missing")
+            continue
+        sel = picked[1]
+        tried = ", ".join(f"{t['lr']:g} ({t['val_acc_mean']:.3f}, loss {max(t['train_loss_tail'].values()):.3f})"
+                          for t in sel["trials"])
+        print(f"selection: {task} {method}: lr {sel['chosen_lr']:g} of {tried} on validation digits (mean "
+              f"accuracy over the dials, the highest training loss at the end)")
     print("\n".join(table(mine)))
     from plots import context as plot
 

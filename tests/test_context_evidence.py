@@ -110,3 +110,29 @@ def test_the_table_gives_intervals_and_paired_differences():
     recs[5]["train_loss_tail"] = 0.69
     assert "1 did not train" in "\n".join(context.table(recs))
     assert np.isclose(0.92, np.mean([r["accuracy"] for r in recs[:5]]))
+
+
+def test_the_loss_curve_averages_equal_runs_of_steps():
+    assert context._curve([float(i) for i in range(60)]) == [0.5 + 2 * i for i in range(30)]
+    assert context._curve([3.0, 1.0]) == [3.0, 1.0]  # fewer steps than points: every step
+    assert len(context._curve([0.0] * 3000)) == context.CURVE_POINTS
+
+
+@pytest.mark.timeout(300)
+def test_trials_only_stops_after_the_selections(tmp_path):
+    out = tmp_path / "ctx.jsonl"
+    argv = ["--quick", "--tasks", "order", "--methods", "downsampled", "--lrs", "0.001,0.01", "--dials", "2.5",
+            "--steps", "60", "--out", str(out), "--figure", str(tmp_path / "fig")]
+    context.main(argv + ["--trials-only"])
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [r for r in recs if r["record"] == "run"]
+    assert len(runs) == 2 and all(r["split"] == "val" for r in runs)
+    assert [r["record"] for r in recs].count("selection") == 1
+    for r in runs:  # the last 3 points of the curve are the last 6 steps: the recorded tail
+        assert len(r["loss_curve"]) == 30
+        assert sum(r["loss_curve"][-3:]) / 3 == pytest.approx(r["train_loss_tail"], abs=1e-4)
+    context.main(argv)  # the test runs go on from the recorded trials, none retrained
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["split"] for r in recs if r["record"] == "run") == ["test", "val", "val"]
+    with pytest.raises(SystemExit):
+        context.main(argv + ["--trials-only", "--report"])
