@@ -3,10 +3,11 @@
     python -m plots results/*.jsonl --out figures/
 
 Sweep and size-search records: ``plots.study`` (DSN cases: ``plots.dsn``); the context benchmark:
-``plots.context``; the one-device alternatives: ``plots.alternatives``; the core benchmark's memory records:
-``plots.core``; the DSN paper recipe (``python -m multidsn.train``): ``plots.dsn_paper``. A file none of
-them draws is named with the kinds of records it holds, which have no figure (their tables are printed by
-the command that wrote them, see docs/ and benchmarks/).
+``plots.context`` (and ``plots.context_curves`` for its runs that carry a loss curve); the one-device
+alternatives: ``plots.alternatives``; the core benchmark's memory records: ``plots.core``; the DSN paper
+recipe (``python -m multidsn.train``): ``plots.dsn_paper``. A file none of them draws is named with the kinds
+of records it holds, which have no figure (their tables are printed by the command that wrote them, see docs/
+and benchmarks/).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import os
 from collections import Counter
 
 from bigconv.harness import cli, records
-from plots import alternatives, context, core, dsn, dsn_paper, study
+from plots import alternatives, context, context_curves, core, dsn, dsn_paper, study
 
 
 def draw_file(path: str, recs: list[dict], out_dir: str) -> list[str]:
     """Every figure of one results file (none: see ``why_not``)."""
     stem = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0])
     paths = study.draw_file(path, recs, out_dir) + dsn.draw_file(path, recs, out_dir)
-    paths += context.draw(recs, stem) + alternatives.draw(recs, stem)
+    paths += context.draw(recs, stem) + context_curves.draw(recs, f"{stem}_curves")
+    paths += alternatives.draw(recs, stem)
     if any(r.get("kind") == "memory" and r.get("bench") == "core" and r.get("workers", 0) > 0 for r in recs) \
             and any(r.get("kind") == "memory" and r.get("workers") == 0 for r in recs):
         paths += core.draw(recs, path, out_dir, name=f"{os.path.basename(stem)}_memory")

@@ -26,3 +26,21 @@ def test_every_committed_kind_is_drawn_or_named(tmp_path, capsys):
     assert "missing.jsonl: no such file; skipped" in printed
     assert "skipped" not in "".join(line for line in printed.splitlines() if "faults" not in line
                                     and "missing" not in line)
+
+
+def test_context_loss_curves_are_drawn_per_task_dial_and_split(tmp_path):
+    from plots import context_curves
+
+    def rec(method, lr, split, dial, seed=100):
+        return {"bench": "context", "record": "run", "task": "order", "split": split, "method": method, "lr": lr,
+                "dial": dial, "seed": seed, "steps": 60, "image_size": 256, "tile_size": 32,
+                "loss_curve": [0.7 - 0.01 * i for i in range(30)], "commit": "x", "torch": "y"}
+
+    recs = [rec(m, lr, "val", d) for m in ("whole", "mil") for lr in (1e-3, 3e-3) for d in (0.25, 3.5)]
+    recs += [rec("whole", 1e-3, "test", 0.25, seed) for seed in range(3)]
+    recs.append({**rec("mil", 1e-3, "val", 6.5), "loss_curve": None})  # an older record: not drawn
+    assert context_curves._panels([r for r in recs if r["loss_curve"]]).keys() == {
+        ("order", "val", 0.25, 60), ("order", "val", 3.5, 60), ("order", "test", 0.25, 60)}
+    paths = context_curves.draw(recs, str(tmp_path / "curves"))
+    assert sorted(os.path.basename(p) for p in paths) == ["curves.pdf", "curves.png"]
+    assert context_curves.draw([{**r, "loss_curve": None} for r in recs], str(tmp_path / "none")) == []
