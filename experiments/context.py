@@ -490,6 +490,32 @@ def report_records(s: Setting, recs: list[dict]) -> list[dict]:
             and (r["method"] != "downsampled" or r.get("stem", 4) == _stem(s))]
 
 
+def trials_table(s: Setting, recs: list[dict]) -> list[str]:
+    """Per task, every learning-rate trial of ``s`` (its size, steps and dials): validation accuracy and the
+    training loss at the end (mean of the last tenth of the steps), a row per (method, lr), a column per dial."""
+    rows: list[str] = []
+    for task in s.tasks:
+        cells = {}
+        for r in runs_of(recs):
+            if r.get("split") == "val" and r.get("task") == task and r["seed"] == s.tune_seed and r["method"] in \
+                    s.methods and r["lr"] in s.lrs and r["dial"] in s.dials and _record_key(r) == \
+                    _key(s, r["method"], r["dial"], s.tune_seed, r["lr"], task, "val"):
+                cells[r["method"], r["lr"], r["dial"]] = r
+        if not cells:
+            continue
+        rows += [f"trials, task {task} (seed {s.tune_seed}, validation digits): accuracy (training loss at the end)",
+                 "", "| method | lr | " + " | ".join(f"dial {d:g}" for d in s.dials) + " |",
+                 "|---" * (len(s.dials) + 2) + "|"]
+        for m in s.methods:
+            for lr in s.lrs:
+                got = [cells.get((m, lr, d)) for d in s.dials]
+                if any(got):
+                    rows.append(f"| {m} | {lr:g} | " + " | ".join(
+                        "" if r is None else f"{r['accuracy']:.3f} ({r['train_loss_tail']:.3f})" for r in got) + " |")
+        rows.append("")
+    return rows
+
+
 def table(recs: list[dict]) -> list[str]:
     """Per task: mean accuracy with its 95% interval over seeds (min-max with fewer than 2) per dial and method,
     runs that did not train marked; then, per dial, whole minus every other method paired by seed."""
@@ -636,7 +662,7 @@ def main(argv=None) -> None:
                           for t in sel["trials"])
         print(f"selection: {task} {method}: lr {sel['chosen_lr']:g} of {tried} on validation digits (mean "
               f"accuracy over the dials, the highest training loss at the end)")
-    print("\n".join(table(mine)))
+    print("\n".join(trials_table(s, recs) + table(mine)))
     from plots import context as plot
 
     stem = args.figure or ("figures/context_quick" if s.quick else "figures/context_scaled" if args.scaled

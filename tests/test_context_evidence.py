@@ -95,6 +95,10 @@ def test_learning_rates_are_chosen_on_validation_digits_and_the_report_gives_int
     assert all(r["stem"] == 2 for r in recs if r.get("method") == "downsampled" and r["record"] == "run")
     printed = capsys.readouterr().out
     assert "task same" in printed and "task order" in printed and "selection: same mil" in printed
+    trial_rows = [line for line in printed.splitlines() if line.startswith("| tilegrid | 0.01 |")]
+    assert "trials, task same" in printed and len(trial_rows) == 2  # a trials row per task
+    r = next(x for x in trials if x["task"] == "order" and x["method"] == "tilegrid" and x["lr"] == 0.01)
+    assert f"{r['accuracy']:.3f} ({r['train_loss_tail']:.3f})" in trial_rows[0] + trial_rows[1]
     assert (tmp_path / "fig_same.png").exists() and (tmp_path / "fig_order.png").exists()
     n = len(recs)
     context.main(argv)  # all recorded: nothing trains, no second selection
