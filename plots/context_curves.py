@@ -54,7 +54,7 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
         ax.set_xlabel("step", fontsize=8)
         handles, labels = ax.get_legend_handles_labels()
         seen = dict(zip(labels, handles))
-        ax.legend(seen.values(), seen.keys(), fontsize=5, loc="lower left")
+        ax.legend(seen.values(), seen.keys(), fontsize=5, loc="best")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     for ax in axes[:, 0]:
