@@ -15,7 +15,7 @@ from .output import cli, footer, save
 
 COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green", "transmil": "tab:red",
           "tilegrid": "tab:purple"}
-LABELS = {"whole": "whole image (bigconv, {p} processes)", "mil": "tiles + attention MIL (torchmil ABMIL)",
+LABELS = {"whole": "whole image (bigconv, {p} worker{s})", "mil": "tiles + attention MIL (torchmil ABMIL)",
           "downsampled": "downsampled {k}x per side", "transmil": "tiles + TransMIL (PPEG positions)",
           "tilegrid": "tile-grid CNN (8x8 tile embeddings)"}
 
@@ -45,7 +45,8 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
         dials = sorted({r["dial"] for r in mine})
         acc = [[r["accuracy"] for r in mine if r["dial"] == d] for d in dials]
         mean = [sum(a) / len(a) for a in acc]
-        label = LABELS[method].format(p=mine[0]["processes"], k=mine[0].get("shrink"))
+        p = mine[0]["processes"]
+        label = LABELS[method].format(p=p, s="" if p == 1 else "s", k=mine[0].get("shrink"))
         lo, hi = min(map(len, acc)), max(map(len, acc))
         seeds = f"{lo} seeds" if lo == hi else f"{lo}-{hi} seeds"
         ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} ({seeds})")
