@@ -19,7 +19,7 @@ from .output import cli, footer, save
 
 def rows(recs: list[dict]) -> tuple[dict[str, list[float]], str]:
     """{method: accuracies} and what they are."""
-    fresh = [r for r in recs if r.get("record") == "run" and r.get("seed_role") == "fresh"]
+    fresh = [r for r in recs if r.get("record") == "run" and r.get("seed_role") == "fresh" and "target_acc" in r]
     if fresh:
         out: dict[str, list[float]] = {}
         for r in fresh:
