@@ -54,7 +54,8 @@ def draw(recs: list[dict], stem: str) -> list[str]:
         if iv.low is not None:
             ax.errorbar(i, 100 * iv.mean, yerr=100 * iv.half, color="k", capsize=4, lw=1)
         ax.scatter([i] * len(acc[m]), [100 * a for a in acc[m]], color="k", s=10, zorder=3)
-        ax.text(i, 100 * (iv.high if iv.high is not None else iv.mean) + 1.5, f"{100 * iv.mean:.1f}", ha="center", va="bottom", fontsize=7)
+        top = iv.high if iv.high is not None else iv.mean
+        ax.text(i, 100 * top + 1.5, f"{100 * iv.mean:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(order)), order, fontsize=8)
     ax.set_ylabel("target test accuracy (%)")
     ax.set_ylim(0, 100)
