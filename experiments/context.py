@@ -335,7 +335,8 @@ class _Runner:
                      "seed": i[3], "lr": i[4], "split": i[5]}, self.s.processes if i[1] == "whole" else 1,
                     f"{i[0]} {i[1]} dial {i[2].dial:g} seed {i[3]} lr {i[4]:g} ({i[5]})", i)
                 for i in items]
-        run_jobs(jobs, self.jobs, lambda job, r, _: new.append(self.record(*job.item, r)), echo=self.echo)
+        run_jobs(jobs, self.jobs, lambda job, r, _: new.append(self.record(*job.item, r)), echo=self.echo,
+                 timeout=RUN_TIMEOUT)
         return new
 
     def _here(self, task, method, layout, seed, lr, split, role, selected_on) -> dict:
@@ -369,6 +370,10 @@ class _Runner:
     def close(self) -> None:
         if self.world is not None:
             self.world.close()
+
+
+RUN_TIMEOUT = 4 * 3600
+"""Seconds a ``--jobs`` run may take before it is stopped and named (the longest seen: about 6 minutes)."""
 
 
 def _setting_fields(s: Setting) -> dict:

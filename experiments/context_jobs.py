@@ -47,9 +47,11 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], None], echo=print,
-             poll: float = 0.2) -> None:
+             poll: float = 0.2, timeout: float | None = None) -> None:
     """Run every job, at most ``width`` slots busy at once (a job wider than ``width`` runs alone); ``done(job,
-    result, seconds)`` as each ends. Raises ``RunFailed`` naming every job that failed, after the others."""
+    result, seconds)`` as each ends. A job still running after ``timeout`` seconds is stopped with its own
+    processes (a World's workers) and counted failed. Raises ``RunFailed`` naming every job that failed, after
+    the others."""
     if width < 1:
         raise ValueError(f"jobs must be a positive integer, got {width!r}")
     queue = list(jobs)
@@ -68,38 +70,54 @@ def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], Non
                 job = queue.pop(0)
                 fd, log = tempfile.mkstemp(prefix="context_run_", suffix=".log")
                 out = os.fdopen(fd, "w")
+                # Its own session, so that stopping it stops its World's workers too (``_stop``).
                 proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=out,
-                                        stderr=subprocess.STDOUT, env=env, text=True)
+                                        stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
                 out.close()
                 proc.stdin.write(json.dumps(job.spec))
                 proc.stdin.close()
                 running.append((job, proc, log, time.perf_counter()))
                 busy += min(job.slots, width)
             time.sleep(poll)
-            for item in [r for r in running if r[1].poll() is not None]:
+            now = time.perf_counter()
+            for item in [r for r in running if r[1].poll() is not None or (timeout and now - r[3] > timeout)]:
                 running.remove(item)
                 job, proc, log, t0 = item
+                if proc.poll() is None:
+                    _stop(proc)
+                    why = f"still running after its {timeout:g} s, stopped with its workers"
+                else:
+                    why = f"exit status {proc.returncode}"
                 result = _result(log) if proc.returncode == 0 else None
                 if result is None:
-                    failed.append(f"{job.label} (exit status {proc.returncode}):\n{_tail(log)}")
-                    echo(f"  FAILED {job.label}: exit status {proc.returncode}; its output ends:\n{_tail(log)}")
+                    failed.append(f"{job.label} ({why}):\n{_tail(log)}")
+                    echo(f"  FAILED {job.label}: {why}; its output ends:\n{_tail(log)}")
                 else:
                     done(job, result, time.perf_counter() - t0)
                 os.unlink(log)
     finally:
         signal.signal(signal.SIGTERM, old)
         for _, proc, log, _ in running:
-            proc.terminate()
-        for _, proc, log, _ in running:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
             if os.path.exists(log):
                 os.unlink(log)
     if failed:
         raise RunFailed(f"{len(failed)} run(s) failed; the others are recorded, and a rerun retries only these:\n"
                         + "\n".join(failed))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a run's process group (the run and its World's workers): SIGTERM, then SIGKILL after 30 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=30)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _raise_exit(signum, frame):

@@ -10,6 +10,7 @@ or ``experiments.context._Runner``.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -65,3 +66,14 @@ def test_a_failing_run_is_named_and_the_others_recorded(tmp_path):
     assert sorted(done) == ["good run", "second good run"]
     with pytest.raises(ValueError, match="jobs must be a positive integer"):
         run_jobs(jobs, 0, lambda *a: None)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_past_its_timeout_is_stopped_and_named(tmp_path):
+    s = context.quick_setting(methods=("mil",), dials=(0.5,), steps=2000, test_images=4)
+    spec = {"setting": context._setting_fields(s), "task": "order", "dial": 0.5, "seed": 0, "lr": 1e-3,
+            "split": "test", "method": "mil"}
+    t0 = time.perf_counter()
+    with pytest.raises(RunFailed, match=r"slow run \(still running after its 3 s, stopped with its workers\)"):
+        run_jobs([Job(spec, 1, "slow run")], 1, lambda *a: None, echo=lambda m: None, timeout=3)
+    assert time.perf_counter() - t0 < 60
