@@ -28,7 +28,7 @@ CLIS = [
     "experiments.spmd_overhead", "experiments.step_time_ab", "experiments.sweep", "experiments.verdict_panel",
     "experiments.whole_slide", "experiments.zoo_coverage",
     "multidsn.train", "plots",
-    "plots.alternatives", "plots.context", "plots.core", "plots.dsn", "plots.dsn_paper", "plots.tables",
+    "plots.alternatives", "plots.context", "plots.context_curves", "plots.core", "plots.dsn", "plots.dsn_paper", "plots.tables",
 ]
 """Every ``python -m`` tool."""
 
