@@ -72,7 +72,7 @@ class Setting:
     seeds: tuple[int, ...] = (0, 1, 2)
     methods: tuple[str, ...] = ("whole", "mil", "downsampled")
     tasks: tuple[str, ...] = ("order",)
-    """``experiments.context_data.TASKS``: ``order`` (is the 6 left of the 9?), ``same`` (same class?)."""
+    """``experiments.context_data.TASKS``: ``order`` (is the 6 left of the 9?), ``same`` (same class?), ``has3`` (is one a 3?)."""
     stem: str = "fixed"
     """``downsampled``'s stem (``STEMS``)."""
     lrs: tuple[float, ...] = ()

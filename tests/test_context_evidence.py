@@ -24,6 +24,22 @@ def test_the_same_task_labels_follow_the_rule():
     assert ContextData(layout, True, "order").batch(4, 3)[0].equal(ContextData(layout, True).batch(4, 3)[0])
 
 
+def test_the_has3_task_labels_follow_the_rule_and_the_pixels_are_those_digits():
+    layout = Layout(size=128, tile=32, dial=1.5, digit=8)
+    data = ContextData(layout, True, "has3")
+    x, y, where = data.batch(64, 5)
+    assert 0.3 < y.float().mean() < 0.7
+    sides = set()
+    for i, (label, pair) in enumerate(zip(y.tolist(), where["classes"])):
+        assert pair.count(3) == label and set(pair) - {3} <= {5, 8}  # exactly one 3 iff positive
+        sides |= {pair.index(3)} if label else set()
+        for c, col in zip(pair, (where["x_left"][i], where["x_left"][i] + layout.distance)):
+            r = where["row"][i]
+            patch = x[i, 0, r:r + 8, col:col + 8]
+            assert (data.digits[c] == patch).flatten(1).all(1).any()  # one of that class's digits
+    assert sides == {0, 1}  # the 3 sits left and right
+
+
 @pytest.mark.parametrize("classes", list(TASKS.values()))
 def test_validation_digits_are_training_digits_never_fitted_or_tested(classes):
     fit, val, test, train = (digit_ids(True, classes, "fit"), digit_ids(True, classes, "val"),
