@@ -13,11 +13,20 @@ from multidsn.intervals import interval
 
 from .output import cli, footer, save
 
-COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green", "transmil": "tab:red",
-          "tilegrid": "tab:purple"}
+COLORS = {"whole": "tab:blue", "mil": "tab:orange", "downsampled": "tab:green", "downsampled-matched": "tab:olive",
+          "transmil": "tab:red", "tilegrid": "tab:purple"}
 LABELS = {"whole": "whole image (bigconv, {p} worker{s})", "mil": "tiles + attention MIL (torchmil ABMIL)",
-          "downsampled": "downsampled {k}x per side", "transmil": "tiles + TransMIL (PPEG positions)",
-          "tilegrid": "tile-grid CNN (8x8 tile embeddings)"}
+          "downsampled": "downsampled {k}x per side", "downsampled-matched": "downsampled {k}x, stem stride {stem}",
+          "transmil": "tiles + TransMIL (PPEG positions)", "tilegrid": "tile-grid CNN (8x8 tile embeddings)"}
+
+
+def series(r: dict) -> str:
+    """The line a run belongs to: its method, and for ``downsampled`` whether its stem was matched to the shrunk
+    input (a stride below 4; records before the stem field had stride 4), so one file holding both is not
+    averaged into one line."""
+    if r["method"] == "downsampled" and r.get("stem", 4) != 4:
+        return "downsampled-matched"
+    return r["method"]
 
 
 def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
@@ -39,14 +48,14 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in COLORS:
-        mine = [r for r in recs if r["method"] == method]
+        mine = [r for r in recs if series(r) == method]
         if not mine:
             continue
         dials = sorted({r["dial"] for r in mine})
         acc = [[r["accuracy"] for r in mine if r["dial"] == d] for d in dials]
         mean = [sum(a) / len(a) for a in acc]
         p = mine[0]["processes"]
-        label = LABELS[method].format(p=p, s="" if p == 1 else "s", k=mine[0].get("shrink"))
+        label = LABELS[method].format(p=p, s="" if p == 1 else "s", k=mine[0].get("shrink"), stem=mine[0].get("stem"))
         lo, hi = min(map(len, acc)), max(map(len, acc))
         seeds = f"{lo} seeds" if lo == hi else f"{lo}-{hi} seeds"
         ax.plot(dials, mean, "-o", color=COLORS[method], label=f"{label} ({seeds})")

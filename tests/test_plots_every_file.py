@@ -45,3 +45,25 @@ def test_context_loss_curves_are_drawn_per_task_dial_and_split(tmp_path):
     paths = context_curves.draw(recs, str(tmp_path / "curves"))
     assert sorted(os.path.basename(p) for p in paths) == ["curves.pdf", "curves.png"]
     assert context_curves.draw([{**r, "loss_curve": None} for r in recs], str(tmp_path / "none")) == []
+
+
+def test_downsampled_runs_with_a_matched_stem_are_a_line_of_their_own(tmp_path, monkeypatch):
+    from plots import context as plot
+
+    def rec(method, dial, seed, accuracy, **extra):
+        return {"bench": "context", "record": "run", "method": method, "dial": dial, "seed": seed,
+                "accuracy": accuracy, "processes": 4 if method == "whole" else 1, "image_size": 1024,
+                "tile_size": 128, "commit": "x", "torch": "y", **extra}
+
+    recs = [rec("whole", d, k, 0.9) for d in (1.5, 3.5) for k in range(2)]
+    recs += [rec("downsampled", d, k, 0.6, shrink=2) for d in (1.5, 3.5) for k in range(2)]  # older: stride 4
+    recs += [rec("downsampled", d, k, 0.95, shrink=2, stem=2) for d in (1.5, 3.5) for k in range(2)]
+    drawn = {}
+    monkeypatch.setattr(plot, "save", lambda fig, stem: drawn.setdefault("fig", fig) and [stem])
+    plot.draw(recs, str(tmp_path / "ctx"))
+    ax = drawn["fig"].axes[0]
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines() if "chance" not in line.get_label()
+             and not line.get_label().startswith("_")}
+    assert lines == {"whole image (bigconv, 4 workers) (2 seeds)": [0.9, 0.9],
+                     "downsampled 2x per side (2 seeds)": [0.6, 0.6],
+                     "downsampled 2x, stem stride 2 (2 seeds)": [0.95, 0.95]}
