@@ -599,8 +599,8 @@ def main(argv=None) -> None:
                        help="128² images, 1 seed, 2 dials, 6 steps, every method: a smoke run (about a minute)")
     scale.add_argument("--scaled", action="store_true",
                        help="the sweep of issue 35 (SCALED): 256² images, 32² tiles, the three tasks, every "
-                            "method, 5 seeds, the matched stem, 3 learning rates tried per (task, method) on validation "
-                            "digits")
+                            "method, 5 seeds, the matched stem, 3 learning rates tried per (task, method) on "
+                            "validation digits")
     parser.add_argument("--size", type=int, help="image edge (default: the scale's)")
     parser.add_argument("--tile", type=int, help="tile edge of the MIL baseline (default: the scale's)")
     parser.add_argument("--digit", type=int, help="edge of each MNIST digit pasted in (default: the scale's)")
