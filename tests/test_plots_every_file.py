@@ -20,8 +20,8 @@ def test_every_committed_kind_is_drawn_or_named(tmp_path, capsys):
     main([*files.values(), str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "figs")])
     printed = capsys.readouterr().out
     drawn = sorted(os.listdir(tmp_path / "figs"))
-    for stem in ("context", "context_scaled", "context_scaled_curves", "multidsn_paper", "alternatives",
-                 "bench_core_memory"):
+    for stem in ("context", "context_scaled_order", "context_scaled_has3", "context_scaled_curves", "multidsn_paper",
+                 "alternatives", "bench_core_memory"):
         assert f"{stem}.png" in drawn and f"{stem}.pdf" in drawn, (stem, drawn)
     assert f"{files['faults']}: skipped: no figure is made for its records (faults x" in printed
     assert "missing.jsonl: no such file; skipped" in printed
