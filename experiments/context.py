@@ -7,9 +7,9 @@
 
 The data (``experiments.context_data``): two 8-pixel real MNIST digits ``dial`` tiles apart on one row of
 a black image. Task ``order``: a 6 and a 9, label 1 iff the 6 is left. Task ``same``: two of {3, 5, 8},
-label 1 iff of the same class. Task ``has3``: two of {3, 5, 8}, label 1 iff one is a 3. The methods train the same CNN (``experiments.context_models.ContextCNN``:
-a patchify stem, three conv+BatchNorm+max-pool levels, four dilated convolutions, a global max pool, a
-linear head):
+label 1 iff of the same class. Task ``has3``: two of {3, 5, 8}, label 1 iff one is a 3. The methods train the
+same CNN (``experiments.context_models.ContextCNN``: a patchify stem, three conv+BatchNorm+max-pool levels,
+four dilated convolutions, a global max pool, a linear head):
 
 - ``whole``: the whole image, on a local ``bigconv.World`` of ``--processes`` workers (grid 2x2 for 4),
   through the public API only (``World``, ``parallelize``, ``optimizer``, ``train_step``, ``net(x)``).

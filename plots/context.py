@@ -3,7 +3,9 @@
     python -m plots.context results/context.jsonl --out figures/context
 
 Each method's line is its mean accuracy over seeds; the shaded band is the mean's 95% interval
-(Student's t over the seeds, ``multidsn.intervals``; none with one seed) and every seed is a dot. Chance (0.5) is dashed; the dotted vertical line is one tile.
+(Student's t over the seeds, ``multidsn.intervals``; none with one seed) and every seed is a dot. Chance
+(0.5) is dashed; the dotted vertical line is one tile. The shrunk image with a stem matched to its input
+(``stem`` below 4) is a line of its own (``series``).
 """
 
 from __future__ import annotations
