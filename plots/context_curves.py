@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from .context import COLORS
+from .context import COLORS, series
 from .output import cli, footer, save
 
 STYLES = ("-", "--", ":", "-.")
@@ -41,13 +41,12 @@ def draw(recs: list[dict], stem: str, title: str = "") -> list[str]:
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.9 * rows), squeeze=False, sharey=True)
     for ax, ((task, split, dial, steps), mine) in zip(axes.flat, panels.items()):
         lrs = sorted({r["lr"] for r in mine})
-        for r in sorted(mine, key=lambda r: (r["method"], r["lr"], r["seed"])):
-            curve = r["loss_curve"]
+        for r in sorted(mine, key=lambda r: (series(r), r["lr"], r["seed"])):
+            curve, line = r["loss_curve"], series(r)  # the accuracy figure's lines, in its colours
             x = [(i + 1) * steps / len(curve) for i in range(len(curve))]
             style = STYLES[lrs.index(r["lr"]) % len(STYLES)] if split == "val" else "-"
-            label = f"{r['method']} lr {r['lr']:g}" if split == "val" else f"{r['method']}"
-            ax.plot(x, curve, style, color=COLORS.get(r["method"], "black"), lw=1 if split == "val" else 0.6,
-                    label=label)
+            label = f"{line} lr {r['lr']:g}" if split == "val" else line
+            ax.plot(x, curve, style, color=COLORS.get(line, "black"), lw=1 if split == "val" else 0.6, label=label)
         ax.axhline(math.log(2), ls="--", color="grey", lw=0.8)
         ax.set_ylim(0, 1.0)
         ax.set_title(f"{task}, dial {dial:g}, {split} ({'trials' if split == 'val' else 'seeds'})", fontsize=8)

@@ -67,3 +67,20 @@ def test_downsampled_runs_with_a_matched_stem_are_a_line_of_their_own(tmp_path, 
     assert lines == {"whole image (bigconv, 4 workers) (2 seeds)": [0.9, 0.9],
                      "downsampled 2x per side (2 seeds)": [0.6, 0.6],
                      "downsampled 2x, stem stride 2 (2 seeds)": [0.95, 0.95]}
+
+
+def test_the_loss_curves_keep_the_two_shrink_stems_apart_in_the_accuracy_figures_colours(tmp_path, monkeypatch):
+    from plots import context, context_curves
+
+    def rec(seed, **extra):
+        return {"bench": "context", "record": "run", "task": "order", "split": "test", "method": "downsampled",
+                "lr": 3e-3, "dial": 1.5, "seed": seed, "steps": 30, "image_size": 1024, "tile_size": 128,
+                "loss_curve": [0.7] * 30, "commit": "x", "torch": "y", **extra}
+
+    drawn = {}
+    monkeypatch.setattr(context_curves, "save", lambda fig, stem: drawn.setdefault("fig", fig) and [stem])
+    context_curves.draw([rec(0), rec(1, stem=2)], str(tmp_path / "curves"))
+    got = {line.get_label(): line.get_color() for line in drawn["fig"].axes[0].get_lines()
+           if not line.get_label().startswith("_")}
+    assert got == {"downsampled": context.COLORS["downsampled"],
+                   "downsampled-matched": context.COLORS["downsampled-matched"]}
