@@ -44,6 +44,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "world(n): the test needs a shared World of n workers")
     config.addinivalue_line("markers", "own_world: the test starts its own World (the shared one is closed first)")
     config.addinivalue_line("markers", "soak: repeated end-to-end runs that catch rare failures (minutes; .ci/run runs them)")
+    config.addinivalue_line("markers", "slow: beyond the README's ten-minute tier (.ci/run runs it after the README's test command)")
     config.addinivalue_line("markers", "zoo: the full model zoo beyond the fast subset (pytest -m zoo; .ci/run runs it after the README's test command)")
 
 
