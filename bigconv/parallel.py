@@ -315,6 +315,14 @@ class ParallelModel:
         n = workers or self.world.workers
         return self.world.call_part(self.id, "state_dict", [()] * n, "reading weights", workers=range(n))
 
+    def replica_optimizer_states(self, workers: int | None = None) -> list[dict | None]:
+        """The optimizer state (``Optimizer.state_dict()``, on the CPU) of the first ``workers`` replicas (all by
+        default), to check they agree; None on a worker without an optimizer."""
+        n = workers or self.world.workers
+        parts = self.world.call_part(self.id, "checkpoint_state", [(True,)] * n, "reading optimizer states",
+                                     workers=range(n))
+        return [p["optimizer"] for p in parts]
+
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
         """Write weights, optimizer and scheduler state, step count, ``epoch``, generator states and the random
         draws' seed and forward count to ``path`` atomically: what a preempted run needs to resume exactly

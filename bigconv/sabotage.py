@@ -11,6 +11,7 @@ Sabotages that pick a tensor pick one that the verdict can judge against its own
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -24,7 +25,6 @@ from .verify import (
     conditioned_size,
     distributed_run,
     map_output,
-    negligible,
     reference,
     verdict,
     well_conditioned,
@@ -33,14 +33,11 @@ from .verify import (
 
 def _well_conditioned(ref: Reference, category: str, tol: float) -> dict[str, float]:
     """Names of ``category`` tensors (param_grads or weights) that the verdict judges against ``tol`` of their
-    own size (``well_conditioned``, not ``negligible``), with that size."""
+    own size (``well_conditioned``: the noise runs determined them), with that size, however small."""
     source = ref.run.param_grads if category == "param_grads" else ref.run.state
     floating = {n: t for n, t in source.items() if t.is_floating_point() and t.numel()}
     sizes = {n: t.detach().double().abs().max().item() for n, t in floating.items()}
-    largest = max(sizes.values(), default=0.0)
-    sizes = {n: s for n, s in sizes.items() if s > 0 and well_conditioned(ref.noise.get((category, n), 0.0), s, tol)
-             and not negligible(s, largest, floating[n].dtype)}
-    return sizes
+    return {n: s for n, s in sizes.items() if s > 0 and well_conditioned(ref.noise.get((category, n), 0.0), s, tol)}
 
 
 def doubled_output(got: Run, ref: Reference, tol: float) -> Run:
@@ -71,6 +68,37 @@ def small_gradient_off_1e_6(got: Run, ref: Reference, tol: float) -> Run | None:
     return replace(got, param_grads={**got.param_grads, name: got.param_grads[name] * (1 + 1e-6)})
 
 
+def smallest_gradient_negated(got: Run, ref: Reference, tol: float) -> Run | None:
+    sizes = _well_conditioned(ref, "param_grads", tol)
+    if not sizes:
+        return None
+    name = min(sizes, key=sizes.get)
+    return replace(got, param_grads={**got.param_grads, name: -got.param_grads[name]})
+
+
+def smallest_gradient_zeroed(got: Run, ref: Reference, tol: float) -> Run | None:
+    sizes = _well_conditioned(ref, "param_grads", tol)
+    if not sizes:
+        return None
+    name = min(sizes, key=sizes.get)
+    return replace(got, param_grads={**got.param_grads, name: torch.zeros_like(got.param_grads[name])})
+
+
+def optimizer_state_off(got: Run, ref: Reference, tol: float) -> Run | None:
+    """The largest well-measured optimizer state (a momentum buffer, Adam's second moment) x1.001 on the first
+    worker: what a wrong state acts like before it reaches the weights."""
+    if not got.optimizer:
+        return None
+    sizes = {n: t.detach().double().abs().max().item() for n, t in got.optimizer.items()
+             if t.is_floating_point() and t.numel() > 1}
+    sizes = {n: s for n, s in sizes.items() if s > 0 and well_conditioned(ref.noise.get(("optimizer", n), 0.0), s, tol)}
+    if not sizes:
+        return None
+    name = max(sizes, key=sizes.get)
+    state = {**got.optimizer, name: got.optimizer[name] * 1.001}
+    return replace(got, optimizer=state, replica_optimizers=[state, *got.replica_optimizers[1:]])
+
+
 def gradient_lost(got: Run, ref: Reference, tol: float) -> Run | None:
     sizes = _well_conditioned(ref, "param_grads", tol)
     if not sizes:
@@ -93,21 +121,37 @@ SABOTAGES: dict[str, Callable[[Run, Reference, float], Run | None]] = {
     "every weight x1.5": weights_times_1_5,
     "running mean negated": running_mean_negated,
     "small gradient x(1+1e-6)": small_gradient_off_1e_6,
+    "smallest gradient negated": smallest_gradient_negated,
+    "smallest gradient zeroed": smallest_gradient_zeroed,
+    "optimizer state x1.001": optimizer_state_off,
     "gradient lost": gradient_lost,
     "last loss x(1+1e-8)": loss_off_1e_8,
 }
 OTHER_SEED = "masks of another seed"
+WORKER_APART = "another worker's weight 1 ulp off"
 
 
 def panel(got: Run, ref: Reference, tol: float, replica_states: Sequence[dict] | None = None,
           other_seed: Run | None = None) -> dict[str, str | None]:
     """The verdict on ``got`` under each sabotage (None where it does not apply: no running mean, no
-    random draws); ``other_seed``: the distributed run of the same model with another seed's draws."""
+    random draws, one worker); ``other_seed``: the distributed run of the same model with another seed's draws."""
     out: dict[str, str | None] = {}
     for name, plant in SABOTAGES.items():
         planted = plant(got, ref, tol)  # replica_states only tell whether the replicas agree: got's state is judged
         out[name] = None if planted is None else verdict(planted, ref, tol, replica_states)["verdict"]
     out[OTHER_SEED] = None if other_seed is None else verdict(other_seed, ref, tol)["verdict"]
+    out[WORKER_APART] = None
+    if replica_states and len(replica_states) > 1:
+        last = dict(replica_states[-1])
+        name = next((k for k, v in last.items() if v.is_floating_point() and v.numel()), None)
+        if name is not None:
+            flat = last[name].clone().reshape(-1)
+            flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=flat.dtype))
+            last[name] = flat.reshape(last[name].shape)
+            r = verdict(got, ref, tol, [*replica_states[:-1], last])
+            named = [t for t in r["replicas_disagree"] if t["tensor"] == f"weights {name}"
+                     and t["workers"] == [len(replica_states) - 1]]
+            out[WORKER_APART] = r["verdict"] if named else f"{r['verdict']} (without naming weights {name})"
     return out
 
 

@@ -33,25 +33,37 @@ Allowances:
 - a parameter gradient or weight within ``tol`` of its size is exact where rounding alone moves it by at most
   ``tol`` of its size; past ``tol`` but within ``NOISE_FACTOR`` times its noise it is ill-conditioned (never
   exact); further off, wrong;
-- a *residue*: a parameter gradient or weight whose noise is at least ``RESIDUE_NOISE`` of its own size
-  (no significant digit: the remainder of a sum that cancels exactly, such as the gradient of a bias
-  before a BatchNorm, zero in exact arithmetic) and whose size is at most ``tol`` of the largest tensor of
-  its kind, may differ by ``NOISE_FACTOR`` times its noise and still reads exact; residues are listed.
-  They are recognised only when every noise run left the output, input gradient and losses within ``tol``
-  of their size, so a noise run that is not rounding (other random masks) can never make one. A parameter
-  gradient or weight below ``NEGLIGIBLE_ULPS`` units of roundoff of the largest tensor of its kind on both
-  sides (2.3e-13 of it in float64) is a residue too, whatever its measured noise: a sum over a batch of
-  two in reverse order adds the same two partial sums, so the noise runs can leave such a remainder
-  bit-identical where the decomposition's shard sums do not.
+- a *residue*: a parameter gradient, weight or optimizer state that the noise runs leave undetermined (they
+  move it by at least ``RESIDUE_NOISE`` of its own size: no significant digit, the remainder of a sum that
+  cancels exactly, such as the gradient of a bias before a BatchNorm, zero in exact arithmetic) and whose
+  size is at most ``tol`` of the largest tensor of its kind, may differ by ``NOISE_FACTOR`` times its noise
+  and still reads exact; residues are listed. They are recognised only when every noise run left the
+  output, input gradient and losses within ``tol`` of their size, so a noise run that is not rounding
+  (other random masks) can never make one. No other floor exists: a tensor the noise runs determined
+  (its noise far below its size) is judged against ``tol`` of its own size however small it is beside
+  the largest of its kind, so a sign flip or a zeroing of it is never exact.
+
+Where the first two noise runs leave some parameter gradient, weight or optimizer state bit-identical (a
+batch of two reversed adds the same two partial sums; channels-last in 3D runs the same kernels), a third
+runs with every sum over positions and the batch inside normalizations and symmetric convolutions taken in
+mirrored order (``MirroredSums``), so that a remainder the decomposition moves is measured, not assumed.
+
+Optimizer state (momentum buffers, Adam's moments) is judged after the steps like the weights, and every
+worker's (replica's) weights, buffers and optimizer state must equal the first's bit for bit: a
+disagreement names the tensor, the workers and its size.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from .data.sources import SourceBatch, is_source_batch, read_targets
 from .engine.dry_run import copy_model
@@ -60,7 +72,7 @@ from .ops.support import unwrap_compiled
 from .parallel import parallelize
 from .runtime.world import World  # or an SPMD world
 
-ERROR_KEYS = ("forward", "input_grad", "param_grads", "loss", "weights")
+ERROR_KEYS = ("forward", "input_grad", "param_grads", "loss", "weights", "optimizer")
 NEVER_FLOORED = ("forward", "input_grad", "loss")
 """Categories judged against their own size only, whatever their noise."""
 EXACT, NOT_EXACT, ILL_CONDITIONED = "exact", "not exact", "ill-conditioned at this size"
@@ -71,12 +83,109 @@ NOISE_FACTOR = 10.0
 and the decomposition change the order of the same sums, so their effects agree in order of magnitude,
 not exactly (measured over the zoo: ``results/zoo.jsonl``, ``worst_error_over_noise``)."""
 RESIDUE_NOISE = 0.1
-"""A tensor that rounding moves by at least this fraction of its own size has no significant digit."""
-NEGLIGIBLE_ULPS = 1024
-"""A parameter gradient or weight whose size is at most this many units of roundoff of the largest tensor of its
-kind (2.3e-13 of it in float64; the smallest genuine gradient of a ConvNeXt with layer scale 1e-6 is 5e-10 of
-the largest), on both sides, is a residue whatever its measured noise."""
+"""A tensor that rounding moves by at least this fraction of its own size has no significant digit: the noise
+runs leave it undetermined, and only then may it be a residue."""
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+MIRRORED = "mirrored sums"
+
+
+class MirroredSums(TorchFunctionMode):
+    """A noise run's view of the model: every normalization (batch, instance, group, layer norm) and every
+    convolution whose windows tile a dim symmetrically sees its input mirrored (the batch and those dims
+    reversed; a layer norm's normalized dims, with its affine weights) and gives its output back mirrored.
+    In exact arithmetic nothing changes; in floating point each sum over positions and the batch runs in
+    the other order, forward and (through the mirrors) backward, as a decomposition's shard sums reorder
+    them. A convolution's dim is mirrored only where its output windows are the mirror image of each other
+    (``(size + 2 * padding - dilation * (kernel - 1) - 1) % stride == 0``, 'same' padding of an even total)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = _MIRROR_RULES.get(func)
+        if rule is not None:
+            bound = _bind(rule[0], args, kwargs)
+            if bound is not None:
+                done = rule[1](func, bound)
+                if done is not None:
+                    return done
+        return func(*args, **kwargs)
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | None:
+    if len(args) > len(names) or any(k not in names for k in kwargs):
+        return None
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _mirror_norm(dims_of: Callable[[torch.Tensor], list[int]]) -> Callable:
+    def rule(func, bound: dict):
+        x = bound.get("input")
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return None
+        dims = dims_of(x)
+        return func(**{**bound, "input": x.flip(dims)}).flip(dims)
+    return rule
+
+
+def _mirror_layer_norm(func, bound: dict):
+    x, shape = bound.get("input"), bound.get("normalized_shape")
+    if not isinstance(x, torch.Tensor) or shape is None:
+        return None
+    k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
+    dims = list(range(x.dim() - k, x.dim()))
+    local = list(range(k))
+    mirrored = {**bound, "input": x.flip(dims)}
+    for name in ("weight", "bias"):
+        if isinstance(bound.get(name), torch.Tensor):
+            mirrored[name] = bound[name].flip(local)
+    return func(**mirrored).flip(dims)
+
+
+def _symmetric_dims(x: torch.Tensor, w: torch.Tensor, bound: dict) -> list[int]:
+    n = w.dim() - 2
+    first = x.dim() - n  # 1 for an unbatched input, 2 for a batched one
+    def per_dim(value, default):
+        value = bound.get(value, default)
+        return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+    stride, dilation = per_dim("stride", 1), per_dim("dilation", 1)
+    padding = bound.get("padding", 0)
+    dims = []
+    for i in range(n):
+        size, span = x.shape[first + i], dilation[i] * (w.shape[2 + i] - 1)
+        if padding == "same":
+            ok = span % 2 == 0
+        else:
+            p = 0 if padding == "valid" else (tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * n)[i]
+            ok = (size + 2 * p - span - 1) % stride[i] == 0
+        if ok:
+            dims.append(first + i)
+    return dims
+
+
+def _mirror_conv(func, bound: dict):
+    x, w = bound.get("input"), bound.get("weight")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < w.dim() - 1:
+        return None
+    dims = _symmetric_dims(x, w, bound)
+    batch = [0] if x.dim() == w.dim() else []
+    wdims = [d - (x.dim() - w.dim()) for d in dims]
+    return func(**{**bound, "input": x.flip(batch + dims), "weight": w.flip(wdims)}).flip(batch + dims)
+
+
+_BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_INSTANCE_NORM = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
+_GROUP_NORM = ("input", "num_groups", "weight", "bias", "eps")
+_LAYER_NORM = ("input", "normalized_shape", "weight", "bias", "eps")
+_CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_BATCH_AND_POSITIONS = _mirror_norm(lambda x: [0, *range(2, x.dim())])
+_MIRROR_RULES = {
+    F.batch_norm: (_BATCH_NORM, _BATCH_AND_POSITIONS),
+    F.instance_norm: (_INSTANCE_NORM, _BATCH_AND_POSITIONS),
+    F.group_norm: (_GROUP_NORM, _BATCH_AND_POSITIONS),
+    F.layer_norm: (_LAYER_NORM, _mirror_layer_norm),
+    **{conv: (_CONV, _mirror_conv) for conv in (F.conv1d, F.conv2d, F.conv3d)},
+}
 
 
 def abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -104,6 +213,11 @@ class Run:
     spreads: dict = field(default_factory=dict)
     """BatchNorm module name -> the largest standard deviation of its input over a batch (per channel, over the
     batch and positions) in this run's training forwards: the scale its running mean acts on."""
+    optimizer: dict | None = None
+    """The optimizer's state after the steps by ``"{parameter}.{key}"`` (``optimizer_tensors``); None where the
+    run did not collect it (then it is not judged)."""
+    replica_optimizers: list = field(default_factory=list)
+    """A distributed run's: every worker's (replica's) ``optimizer``, the first's included."""
 
 
 def output_leaves(tree, prefix: str = "output") -> dict[str, torch.Tensor]:
@@ -136,20 +250,45 @@ def named_tensors(run: Run) -> dict[tuple[str, str], torch.Tensor]:
     named.update({("loss", f"step {i}"): v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
                   for i, v in enumerate(run.losses)})
     named.update({("weights", k): v for k, v in run.state.items()})
+    named.update({("optimizer", k): v for k, v in (run.optimizer or {}).items()})
     return named
+
+
+def optimizer_tensors(state: dict | None, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """An optimizer's ``state_dict()`` by ``"{parameter}.{key}"`` (``conv.weight.momentum_buffer``,
+    ``conv.weight.exp_avg_sq``), ``names`` being the parameters' names in the order the optimizer was given
+    them (``model.parameters()``'s); numbers (a step count) as float64 tensors."""
+    found: dict[str, torch.Tensor] = {}
+    if not state:
+        return found
+    for index, per_param in state.get("state", {}).items():
+        name = names[index] if isinstance(index, int) and index < len(names) else f"param {index}"
+        for key, value in per_param.items():
+            found[f"{name}.{key}"] = value.detach() if isinstance(value, torch.Tensor) else \
+                torch.tensor(float(value), dtype=torch.float64)
+    return found
+
+
+def _opt_kwargs(optimizer: type, given: dict | None) -> dict:
+    """The optimizer's arguments: those given, else SGD's default here (lr 0.05, momentum 0.9), else none (the
+    class's own defaults)."""
+    if given:
+        return dict(given)
+    return {"lr": 0.05, "momentum": 0.9} if optimizer is torch.optim.SGD else {}
 
 
 def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, steps: int = 2,
                  optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None, seed: int = 0,
-                 memory_format: torch.memory_format | None = None) -> Run:
+                 memory_format: torch.memory_format | None = None, mirrored: bool = False) -> Run:
     """The single-process run, in the distributed run's order: forward, gradients, ``steps`` steps.
 
     Both sides run a training forward first, so buffers such as running statistics advance alike.
     Random draws in the forward (dropout, stochastic depth) are those of a model parallelized with
     ``seed`` (``bigconv.ops.random``), forward by forward. ``memory_format``: the model and input in
-    that layout (a noise run: the same values, other kernels).
+    that layout (a noise run: the same values, other kernels); ``mirrored``: under ``MirroredSums`` (a noise
+    run: the same values, sums over positions in mirrored order).
     """
-    opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    opt_kwargs = _opt_kwargs(optimizer, opt_kwargs)
     _one_process_sync_batchnorm(model)
     if memory_format is not None:
         model = model.to(memory_format=memory_format)
@@ -164,7 +303,7 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     def forward(inp):
         nonlocal drew
         context = draws.forward()
-        with context:
+        with context, (MirroredSums() if mirrored else contextlib.nullcontext()):
             out = model(inp)
         drew = drew or context.draws.count > 0
         return out
@@ -179,13 +318,15 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = loss_fn(forward(x), y)
+        loss = loss_fn(forward(x), y)  # backward follows the forward's mirrors
         loss.backward()
         opt.step()
         losses.append(loss.detach())
     for hook in hooks:
         hook.remove()
-    return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew, spreads)
+    names = [n for n, _ in plain.named_parameters()]
+    return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew, spreads,
+               optimizer_tensors(opt.state_dict(), names))
 
 
 def _spread_hook(name: str, spreads: dict) -> Callable:
@@ -243,13 +384,29 @@ def reordered_runs(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable
             return replace(r, output=map_output(r.output, lambda t: t.flip(0)), input_grad=r.input_grad.flip(0))
         runs["reversed batch"] = reversed_batch
     for name, run in runs.items():
-        try:
-            done = run()
-        except Exception as exc:
-            raise RuntimeError(f"the exactness verdict's noise run ({name}) failed: {type(exc).__name__}: {exc}. "
-                               "Without it rounding's effect is unknown and no verdict is given") from exc
+        done = _noise_run(name, run)
         yield name, done
         del done
+
+
+def _noise_run(name: str, run: Callable[[], Run]) -> Run:
+    try:
+        return run()
+    except Exception as exc:
+        raise RuntimeError(f"the exactness verdict's noise run ({name}) failed: {type(exc).__name__}: {exc}. "
+                           "Without it rounding's effect is unknown and no verdict is given") from exc
+
+
+def _unmeasured(named: dict, noise: dict, tol: float) -> list:
+    """Parameter gradients, weights and optimizer states that no noise run has moved (bit-identical in every one,
+    or none ran) and that are small enough to be a residue (at most ``tol`` of the largest of their kind): whether
+    they are a remainder of a sum that cancels, or determined, is not measured yet."""
+    largest: dict[str, float] = {}
+    for (category, _), t in named.items():
+        if t.is_floating_point():
+            largest[category] = max(largest.get(category, 0.0), _scale(t))
+    return [key for key, t in named.items() if key[0] not in NEVER_FLOORED and t.is_floating_point()
+            and noise.get(key, 0.0) == 0.0 and 0 < _scale(t) <= tol * largest[key[0]]]
 
 
 def _reversible(x: torch.Tensor, y, ref: Run) -> bool:
@@ -270,7 +427,14 @@ def reference(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ste
     noise = {key: 0.0 for key in named}
     rounding_only = True
     names = []
-    for name, other in reordered_runs(model, x, y, loss_fn, run, steps, optimizer, opt_kwargs, seed):
+
+    def mirrored() -> Iterator[tuple[str, Run]]:
+        if _unmeasured(named, noise, tol):
+            yield MIRRORED, _noise_run(MIRRORED, lambda: train_single(copy_model(model), x, y, loss_fn, steps,
+                                                                      optimizer, opt_kwargs, seed, mirrored=True))
+
+    for name, other in itertools.chain(reordered_runs(model, x, y, loss_fn, run, steps, optimizer, opt_kwargs, seed),
+                                       mirrored()):
         names.append(name)
         theirs = named_tensors(other)
         for key, want in named.items():
@@ -321,19 +485,12 @@ def well_conditioned(noise: float, scale: float, tol: float) -> bool:
     return NOISE_FACTOR * noise <= tol * scale
 
 
-def negligible(scale: float, largest: float, dtype: torch.dtype) -> bool:
-    """Below ``NEGLIGIBLE_ULPS`` units of roundoff of the largest tensor of its kind: what a sum that cancels
-    leaves even where no reordering in one process moves it (with a batch of two, a reversed batch adds the
-    same two partial sums; channels-last in 3D runs the same kernels)."""
-    return scale <= NEGLIGIBLE_ULPS * torch.finfo(dtype).eps * largest
-
-
 def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.Tensor, noise: float, tol: float,
-                 residue_scale: float | None = None, largest: float | None = None, spread: float = 0.0) -> TensorError:
+                 residue_scale: float | None = None, spread: float = 0.0) -> TensorError:
     """Judge ``got`` against ``ref`` (see the module docstring). ``residue_scale``: the largest size among
-    tensors of this kind where residues with measured noise may be recognised, None where they may not;
-    ``largest``: the largest size among tensors of this kind where negligible ones may be (None: nowhere);
-    ``spread``: for a running mean, the spread of what it averages (``Run.spreads``), its size where larger."""
+    tensors of this kind where residues (tensors the noise runs leave undetermined) may be recognised, None
+    where they may not; ``spread``: for a running mean, the spread of what it averages (``Run.spreads``), its
+    size where larger."""
     scale = max(_scale(ref), spread)
     if got is None:  # the distributed run produced nothing where one process has a tensor (a lost gradient)
         return TensorError(category, name, math.inf, math.inf, scale, noise, 0.0, "missing")
@@ -347,21 +504,20 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
     if math.isnan(error):  # nan compares false with everything: it must read as the worst, not be skipped
         error = math.inf
     rel = error / scale if scale > 0 else (0.0 if error == 0 else math.inf)
-    quiet = noise <= tol * scale  # rounding alone stays within tol of the tensor's size
-    if largest is not None and negligible(scale, largest, ref.dtype) and negligible(_scale(got), largest, ref.dtype):
-        allowed = 2 * NEGLIGIBLE_ULPS * torch.finfo(ref.dtype).eps * largest
-        status = "residue" if error <= allowed else "wrong"
-    elif category in NEVER_FLOORED or not math.isfinite(noise):
+    quiet = noise <= tol * scale  # rounding alone stays within tol of the tensor's size: determined
+    if category in NEVER_FLOORED or not math.isfinite(noise):
         # Never exact past tol. Where rounding alone moves it past tol in one process (a max over tied values
         # sends the gradient to another position), within NOISE_FACTOR times that: ill-conditioned, not exact.
         allowed = tol * scale if quiet or not math.isfinite(noise) else max(tol * scale, NOISE_FACTOR * noise)
         status = ("ok" if quiet else "ill-conditioned") if error <= allowed else "wrong"
     elif quiet:
         # Within tol: exact. Past tol but within what the decomposition's rounding may do (NOISE_FACTOR times
-        # the noise runs'): ill-conditioned, not wrong, and never exact.
+        # the noise runs'): ill-conditioned, not wrong, and never exact. However small the tensor is beside the
+        # largest of its kind: the noise runs determined it, so a sign flip or a zeroing reads wrong.
         allowed = max(tol * scale, NOISE_FACTOR * noise)
         status = "ok" if error <= tol * scale else "ill-conditioned" if error <= allowed else "wrong"
     elif residue_scale is not None and noise >= RESIDUE_NOISE * scale and scale <= tol * residue_scale:
+        # Undetermined (no significant digit survives the noise runs) and small: a sum that cancels exactly.
         allowed = NOISE_FACTOR * noise
         status = "residue" if error <= allowed else "wrong"
     else:
@@ -373,6 +529,8 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
 def judge(got: Run, ref: Reference, tol: float) -> list[TensorError]:
     """Every tensor of ``got`` against the reference run, each with its allowance."""
     mine, reference_ = named_tensors(got), named_tensors(ref.run)
+    if got.optimizer is None:  # not collected (a run made by hand): nothing to judge it on
+        reference_ = {k: v for k, v in reference_.items() if k[0] != "optimizer"}
     largest: dict[str, float] = {}
     for (category, _), t in reference_.items():
         if t.is_floating_point():
@@ -388,8 +546,7 @@ def judge(got: Run, ref: Reference, tol: float) -> list[TensorError]:
             got_t = torch.tensor(float("nan"))
         floorable = key[0] not in NEVER_FLOORED
         residue_scale = largest.get(key[0]) if ref.rounding_only and floorable else None
-        errors.append(tensor_error(*key, got_t, want, noise, tol, residue_scale, largest.get(key[0]) if floorable
-                                   else None, _spread(key, ref.run)))
+        errors.append(tensor_error(*key, got_t, want, noise, tol, residue_scale, _spread(key, ref.run)))
     return errors
 
 
@@ -435,23 +592,57 @@ def distributed_run(model: torch.nn.Module, world: World, x, y, loss_fn: Callabl
                     steps: int = 2, optimizer: type = torch.optim.SGD, opt_kwargs: dict | None = None,
                     replicas: int = 1, transport: str = "p2p", seed: int = 0):
     """The same run as ``train_single`` on ``world``: a forward, the gradients, ``steps`` steps. Returns the
-    ``Run`` (first replica's state), every replica's state dict and the parallel model."""
-    opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    ``Run`` (the first worker's state and optimizer state, every worker's optimizer state), every worker's
+    state dict and the parallel model."""
+    opt_kwargs = _opt_kwargs(optimizer, opt_kwargs)
     yt = read_targets(y, loss_fn) if is_source_batch(y) else y  # gradients() takes targets as a tensor
+    names = [n for n, _ in unwrap_compiled(model)[0].named_parameters()]  # before the workers take ``model``
     net = parallelize(model, world, grid=grid, replicas=replicas, transport=transport, seed=seed)
     out = net.full(x)
     _, input_grad, param_grads = net.gradients(x, yt, loss_fn)
     net.optimizer(optimizer, **opt_kwargs)
     losses = [net.train_step(x, y, loss_fn) for _ in range(steps)]
     states = net.replica_state_dicts()
-    return Run(out, input_grad, param_grads, losses, states[0]), states, net
+    optimizers = [optimizer_tensors(o, names) for o in net.replica_optimizer_states()]
+    return Run(out, input_grad, param_grads, losses, states[0], optimizer=optimizers[0],
+               replica_optimizers=optimizers), states, net
+
+
+def disagreements(copies: Sequence[dict], category: str) -> list[dict]:
+    """Where the workers' (replicas') copies of a state differ from the first's: per tensor, the workers that
+    hold another value (or none) and the largest difference; they must be equal bit for bit (every worker
+    applies the same summed gradients to the same weights)."""
+    found = []
+    first = copies[0] if copies else {}
+    for key in dict.fromkeys(k for c in copies for k in c):
+        want = first.get(key)
+        off, error = [], 0.0
+        for worker, copy in enumerate(copies[1:], start=1):
+            got = copy.get(key)
+            if want is None or got is None or got.shape != want.shape:
+                off.append(worker)
+                error = math.inf
+            elif not torch.equal(got, want):
+                off.append(worker)
+                diff = abs_err(got, want) if got.is_floating_point() or got.is_complex() else math.inf
+                error = max(error, math.inf if math.isnan(diff) else diff)
+        if off:
+            scale = _scale(want) if want is not None and want.is_floating_point() else 0.0
+            found.append({"category": "replicas", "tensor": f"{category} {key}", "workers": off, "error": error,
+                          "scale": scale, "rel": error / scale if scale else math.inf, "noise": 0.0, "allowed": 0.0,
+                          "status": "wrong"})
+    return found
 
 
 def verdict(got: Run, ref: Reference, tol: float, replica_states: Sequence[dict] | None = None) -> dict:
-    """``summarize(judge(...))`` plus the replicas' agreement and the state dict's keys."""
+    """``summarize(judge(...))`` plus the workers' agreement (each disagreeing tensor named in ``wrong`` with the
+    workers and the size: category ``replicas``) and the state dict's keys."""
     result = summarize(judge(got, ref, tol), tol)
     states = list(replica_states or [got.state])
-    result["replicas_equal"] = all(torch.equal(s[k], states[0][k]) for s in states for k in ref.run.state)
+    apart = disagreements(states, "weights") + disagreements(got.replica_optimizers, "optimizer")
+    result["replicas_equal"] = not apart
+    result["replicas_disagree"] = TensorList(apart)
+    result["wrong"] = TensorList([*result["wrong"], *apart])
     result["keys_match"] = set(states[0]) == set(ref.run.state)
     if not (result["replicas_equal"] and result["keys_match"]):
         result["verdict"], result["exact"] = NOT_EXACT, False
@@ -467,17 +658,19 @@ def compare_training(model: torch.nn.Module, world: World, x: torch.Tensor, y: t
     """Train ``model`` on ``world`` and in one process; the verdict and every tensor's error.
 
     ``verdict`` is ``exact``, ``not exact`` or ``ill-conditioned at this size`` (module docstring);
-    ``exact`` is ``verdict == "exact"``. Each of ``forward``, ``input_grad``, ``param_grads``, ``loss``
-    and ``weights`` is the worst relative error of its category (error over the tensor's own size; residues
-    left out), ``worst`` names the tensor behind each, ``wrong``, ``ill_conditioned`` and ``residues`` list
-    those tensors, and ``tensors`` every one. ``tol``: 1e-9 for float64, 1e-4 for float32 by default.
+    ``exact`` is ``verdict == "exact"``. Each of ``forward``, ``input_grad``, ``param_grads``, ``loss``,
+    ``weights`` and ``optimizer`` (its state after the steps) is the worst relative error of its category
+    (error over the tensor's own size; residues left out), ``worst`` names the tensor behind each, ``wrong``,
+    ``ill_conditioned`` and ``residues`` list those tensors (``wrong`` also each tensor whose workers' copies
+    disagree, with the workers), and ``tensors`` every one. ``tol``: 1e-9 for float64, 1e-4 for float32 by
+    default.
 
     ``x`` may be a list of image sources (``bigconv.data``): the workers read their boxes, and the
     single process gets the same pixels read whole. On an SPMD world every rank calls this with the
     same arguments (``replicas`` as in ``parallelize``) and gets the same answer. ``transport``: the
     driver mode's, as in ``parallelize``. ``seed``: of the model's random draws, on both sides.
     """
-    opt_kwargs = opt_kwargs or {"lr": 0.05, "momentum": 0.9}
+    opt_kwargs = _opt_kwargs(optimizer, opt_kwargs)
     xt = x if isinstance(x, torch.Tensor) else SourceBatch(x).read()
     yt = read_targets(y, loss_fn) if is_source_batch(y) else y
     tol = _tol(model, xt) if tol is None else tol

@@ -23,6 +23,7 @@ A failure points at bigconv/verify.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -33,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import BY_NAME
 
+import bigconv.verify as verify_module
 from bigconv.verify import (
     ERROR_KEYS,
     ILL_CONDITIONED,
@@ -41,10 +43,12 @@ from bigconv.verify import (
     Run,
     compare_training,
     conditioned_size,
+    MirroredSums,
     judge,
     named_tensors,
     reference,
     summarize,
+    verdict,
 )
 
 TOL = 1e-9
@@ -304,16 +308,180 @@ def test_a_failing_noise_run_is_an_error_of_the_verdict():
         reference(NoChannelsLast().double(), x, y, nn.CrossEntropyLoss())
 
 
-def test_a_negligible_remainder_is_a_residue_and_nothing_larger_is():
-    """A bias gradient of 4e-18 beside gradients of size 1, which no noise run moved (a batch of two reversed
-    adds the same two partial sums): a residue while both sides stay below 1024 ulps (2.3e-13) of the largest gradient;
-    the same tensor at 1e-12 on the distributed side is wrong."""
+def _made(grads: dict, noise: dict) -> Reference:
+    noise = {("forward", "output"): 0.0, ("input_grad", "input"): 0.0, **noise}
+    return Reference(Run(torch.ones(1).double(), torch.ones(1).double(), grads, [], {}), noise, [], True)
+
+
+def test_a_small_gradient_the_noise_runs_determined_is_judged_on_its_own_size():
+    """A gate's gradient of 6.6e-14 beside a largest of 0.32, which the noise runs moved by 3.2e-29 (determined to
+    5e-16 of itself): negated, zeroed or 1e-6 off, it is not exact, however small beside the largest (the old
+    floor called anything under 1024 ulps of the largest a residue); 1e-12 of itself off, it is exact."""
+    grads = {"w": torch.full((3,), 0.32).double(), "gate": torch.tensor([6.6e-14, -2e-14]).double()}
+    ref = _made(grads, {("param_grads", "w"): 1e-17, ("param_grads", "gate"): 3.2e-29})
+    for planted in (-grads["gate"], torch.zeros(2).double(), grads["gate"] * (1 + 1e-6)):
+        r = verdict_of(dataclasses.replace(ref.run, param_grads={**grads, "gate": planted}), ref)
+        assert r["verdict"] == NOT_EXACT and [t["tensor"] for t in r["wrong"]] == ["gate"], r["wrong"]
+    r = verdict_of(dataclasses.replace(ref.run, param_grads={**grads, "gate": grads["gate"] * (1 + 1e-12)}), ref)
+    assert r["verdict"] == "exact" and not r["residues"]
+    # A tensor no noise run moved (noise 0) is determined too: judged on its own size, not floored.
+    ref = _made(grads, {("param_grads", "w"): 1e-17, ("param_grads", "gate"): 0.0})
+    r = verdict_of(dataclasses.replace(ref.run, param_grads={**grads, "gate": -grads["gate"]}), ref)
+    assert r["verdict"] == NOT_EXACT
+
+
+def test_a_residue_is_only_what_the_noise_runs_leave_undetermined():
+    """A remainder of 4e-18 that the noise runs moved by 2e-18 (no significant digit) may differ by 10x that; the
+    same tensor at 1e-12 is wrong, and so is a remainder as large as 1e-9 of the largest (not small)."""
     grads = {"w": torch.ones(3).double(), "b": torch.tensor([4e-18, -1e-18]).double()}
-    noise = {("param_grads", "w"): 1e-16, ("param_grads", "b"): 0.0, ("forward", "output"): 0.0,
-             ("input_grad", "input"): 0.0}
-    ref = Reference(Run(torch.ones(1).double(), torch.ones(1).double(), grads, [], {}), noise, [], True)
-    close = dataclasses.replace(ref.run, param_grads={**grads, "b": torch.tensor([-3e-18, 2e-18]).double()})
-    r = verdict_of(close, ref)
+    ref = _made(grads, {("param_grads", "w"): 1e-16, ("param_grads", "b"): 2e-18})
+    r = verdict_of(dataclasses.replace(ref.run, param_grads={**grads, "b": torch.tensor([-3e-18, 2e-18]).double()}),
+                   ref)
     assert r["verdict"] == "exact" and [t["tensor"] for t in r["residues"]] == ["b"]
     far = dataclasses.replace(ref.run, param_grads={**grads, "b": torch.tensor([1e-12, 0.0]).double()})
     assert verdict_of(far, ref)["verdict"] == NOT_EXACT
+
+
+def _one_d_batch_of_one() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv1d(1, 3, 3, padding=1), nn.BatchNorm1d(3), nn.ReLU(), nn.Conv1d(3, 3, 3, padding=1),
+                         nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(3, 3)).double()
+
+
+def test_a_remainder_no_noise_run_moves_is_measured_by_mirrored_sums():
+    """1D (no channels-last) and a batch of one (no reversal): no reordering applies, so every tensor would be
+    unmeasured; the mirrored-sums run measures the BatchNorm-bias remainder (zero in exact arithmetic), which is
+    then a residue, while the large tensors stay determined."""
+    x, y = torch.randn(1, 1, 24, dtype=torch.float64), torch.tensor([2])
+    ref = reference(_one_d_batch_of_one(), x, y, nn.CrossEntropyLoss())
+    assert ref.reorderings == ["mirrored sums"] and ref.rounding_only
+    named = named_tensors(ref.run)
+    bias = named[("param_grads", "0.bias")]
+    scale = bias.abs().max().item()
+    assert ref.noise[("param_grads", "0.bias")] >= 0.1 * scale and scale < 1e-15
+    for key in [("param_grads", "1.weight"), ("param_grads", "3.weight"), ("forward", "output")]:
+        assert ref.noise[key] <= 1e-14 * named[key].abs().max().item()
+    other = dataclasses.replace(ref.run, param_grads={**ref.run.param_grads, "0.bias": -bias})  # another remainder
+    r = verdict_of(other, ref)
+    assert r["verdict"] == "exact" and "0.bias" in [t["tensor"] for t in r["residues"]]
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_a_remainder_no_noise_run_moves_passes_end_to_end(world):
+    x, y = torch.randn(1, 1, 24, dtype=torch.float64), torch.tensor([2])
+    r = compare_training(_one_d_batch_of_one(), world, x, y, nn.CrossEntropyLoss(), grid=(4,))
+    assert r["verdict"] == "exact" and r["reorderings"] == ["mirrored sums"], r["wrong"][:3]
+    assert "0.bias" in [t["tensor"] for t in r["residues"] if t["category"] == "param_grads"]
+
+
+MIRRORED_CASES = [
+    ("conv2d stride 2, one dim symmetric", lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 9, 8)),
+    ("conv2d dilated 'same'", lambda: nn.Conv2d(3, 4, 3, padding="same", dilation=2), (2, 3, 7, 6)),
+    ("conv2d grouped", lambda: nn.Conv2d(4, 4, 3, padding=1, groups=2), (2, 4, 6, 6)),
+    ("conv3d", lambda: nn.Conv3d(2, 3, 3, padding=1), (2, 2, 5, 4, 3)),
+    ("conv1d unbatched", lambda: nn.Conv1d(2, 3, 5, padding=2), (2, 9)),
+    ("batchnorm", lambda: nn.BatchNorm2d(3), (2, 3, 5, 4)),
+    ("groupnorm", lambda: nn.GroupNorm(2, 4), (2, 4, 5, 4)),
+    ("instancenorm", lambda: nn.InstanceNorm2d(3, affine=True), (2, 3, 5, 4)),
+    ("layernorm over two dims", lambda: nn.LayerNorm((5, 4)), (2, 3, 5, 4)),
+]
+
+
+def _values_and_gradients(module: nn.Module, x: torch.Tensor, mirrored: bool) -> list[torch.Tensor]:
+    module = copy.deepcopy(module)
+    with torch.no_grad():  # affine weights away from 1 and 0, so their gradients and use show
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5), dtype=p.dtype))
+    x = x.clone().requires_grad_(True)
+    with MirroredSums() if mirrored else contextlib.nullcontext():
+        out = module(x)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=out.dtype)).sum().backward()
+    return [out.detach(), x.grad, *[p.grad for p in module.parameters()]]
+
+
+@pytest.mark.parametrize("name,build,shape", MIRRORED_CASES, ids=[c[0] for c in MIRRORED_CASES])
+def test_mirrored_sums_compute_the_same_values_in_another_order(name, build, shape):
+    """The mirrored noise run changes only the order of sums: output, input and parameter gradients within
+    rounding of the plain computation."""
+    torch.manual_seed(0)
+    module, x = build().double().train(), torch.randn(shape, dtype=torch.float64)
+    plain, mirrored = _values_and_gradients(module, x, False), _values_and_gradients(module, x, True)
+    for a, b in zip(plain, mirrored):
+        assert (a - b).abs().max() <= 1e-13 * a.abs().max(), name
+
+
+def test_mirrored_sums_reorder_and_a_wrong_mirror_is_seen(monkeypatch):
+    """Mirrored sums move some bits (else it would measure nothing); and the equality above can fail: a stride-2
+    window that does not tile its dim symmetrically (8 + 2 - 2 - 1 odd), mirrored anyway, is off by far more
+    than rounding."""
+    torch.manual_seed(0)
+    module, x = nn.Conv2d(3, 4, 3, stride=2, padding=1).double(), torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    bn = nn.BatchNorm2d(4).double()
+    plain = _values_and_gradients(nn.Sequential(module, bn), x, False)
+    mirrored = _values_and_gradients(nn.Sequential(module, bn), x, True)
+    assert any(not torch.equal(a, b) for a, b in zip(plain, mirrored))
+    monkeypatch.setattr(verify_module, "_symmetric_dims", lambda x, w, bound: list(range(x.dim() - w.dim() + 2,
+                                                                                           x.dim())))
+    wrong = _values_and_gradients(module, x, True)
+    right = _values_and_gradients(module, x, False)
+    assert (wrong[0] - right[0]).abs().max() > 1e-3 * right[0].abs().max()
+
+
+def test_optimizer_state_is_judged_and_disagreeing_workers_are_named():
+    """Adam's second moments after the steps are compared like the weights (x1.001 on one: not exact, named); a
+    worker whose copy of a weight or an optimizer state differs in one bit is named, with the tensor and the size
+    (before, the verdict said only that replicas differed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(3, 2)).double()
+    x, y = torch.randn(2, 1, 6, 6, dtype=torch.float64), torch.tensor([0, 1])
+    ref = reference(model, x, y, nn.CrossEntropyLoss(), optimizer=torch.optim.Adam, opt_kwargs={"lr": 1e-3})
+    assert ("optimizer", "0.weight.exp_avg_sq") in ref.noise
+    run = dataclasses.replace(ref.run, replica_optimizers=[ref.run.optimizer] * 3)
+    assert verdict(run, ref, TOL, [ref.run.state] * 3)["verdict"] == "exact"
+    off = {**ref.run.optimizer, "0.weight.exp_avg_sq": ref.run.optimizer["0.weight.exp_avg_sq"] * 1.001}
+    r = verdict(dataclasses.replace(ref.run, optimizer=off, replica_optimizers=[off] * 3), ref, TOL)
+    assert r["verdict"] == NOT_EXACT and [(t["category"], t["tensor"]) for t in r["wrong"]] == [
+        ("optimizer", "0.weight.exp_avg_sq")]
+    apart_state = {**ref.run.state, "4.bias": torch.nextafter(ref.run.state["4.bias"], torch.tensor(9.0).double())}
+    apart_opt = {**ref.run.optimizer, "4.bias.exp_avg": ref.run.optimizer["4.bias.exp_avg"] * 2}
+    r = verdict(dataclasses.replace(run, replica_optimizers=[ref.run.optimizer, ref.run.optimizer, apart_opt]), ref,
+                TOL, [ref.run.state, apart_state, ref.run.state])
+    assert r["verdict"] == NOT_EXACT and not r["replicas_equal"]
+    named = {t["tensor"]: t for t in r["replicas_disagree"]}
+    assert set(named) == {"weights 4.bias", "optimizer 4.bias.exp_avg"}
+    assert named["weights 4.bias"]["workers"] == [1] and 0 < named["weights 4.bias"]["error"] < 1e-15
+    assert named["optimizer 4.bias.exp_avg"]["workers"] == [2]
+
+
+class MomentumOffOnWorker1(torch.optim.SGD):
+    """SGD with momentum whose buffers on worker 1 are 1e-6 off after the first step (a bug acting from step 2)."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        super().__init__(params, lr=lr, momentum=momentum)
+        self.steps = 0
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.steps += 1
+        if self.steps == 1 and torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+            for state in self.state.values():
+                state["momentum_buffer"].mul_(1 + 1e-6)
+        return out
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_an_optimizer_state_wrong_on_one_worker_is_named_end_to_end(world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(3, 2)).double()
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    r = compare_training(model, world, x, torch.tensor([0, 1]), nn.CrossEntropyLoss(), grid=(2, 2),
+                         optimizer=MomentumOffOnWorker1)
+    assert r["verdict"] == NOT_EXACT
+    named = {t["tensor"]: t["workers"] for t in r["replicas_disagree"]}
+    assert named["optimizer 0.weight.momentum_buffer"] == [1] and named["weights 0.weight"] == [1], named
+    # Worker 0 is right: the comparison with one process does not blame it
+    assert not [t for t in r["wrong"] if t["category"] != "replicas"]

@@ -386,6 +386,14 @@ class SpmdModel(nn.Module):
             dist.all_gather_object(parts, self.engine.state_dict())
         return parts[: workers or self.world.size]
 
+    def replica_optimizer_states(self, workers: int | None = None) -> list[dict | None]:
+        """Every rank's optimizer state (``Optimizer.state_dict()``, on the CPU; None without an optimizer),
+        gathered on every rank."""
+        parts = [None] * self.world.size
+        with self.engine.naming_lost_ranks("gathering the replicas' optimizer states"):
+            dist.all_gather_object(parts, self.engine.optimizer_state())
+        return parts[: workers or self.world.size]
+
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
         """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state, ``epoch`` and the
         random draws' seed and forward count included); every rank returns once it is on disk."""
