@@ -47,7 +47,7 @@ from .geometry.boxes import (
     TransposedWindow, Window, balanced_bounds, check_positive_int, choose_grid, shard_box, validate_grid,
 )
 from .harness import devices
-from .harness.model_spec import FORMS, build_model
+from .harness.model_spec import FORMS, OPTIMIZER_FORMS, OPTIMIZERS, build_model, build_optimizer
 from .ops.shards import (
     GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, prefix, spatial_dims,
     trail, tree_flatten,
@@ -437,6 +437,12 @@ def parser() -> argparse.ArgumentParser:
                    help="the two edges of the small plain runs the memory estimate is scaled from")
     p.add_argument("--no-exact", action="store_true", help="skip the exactness check (it starts local workers)")
     p.add_argument("--exact-size", type=int, default=64, help="edge of the exactness check's float64 input")
+    p.add_argument("--exact-steps", type=int, default=EXACT_STEPS,
+                   help="optimizer steps of the exactness check (at least 3: optimizer state made at step 1 acts "
+                        "from step 2, an error in its update shows at step 3)")
+    p.add_argument("--optimizer", default="momentum",
+                   help=f"the optimizer the exactness check trains with (and whose state per parameter the planner "
+                        f"counts, one of {', '.join(OPTIMIZERS)} there): {OPTIMIZER_FORMS}")
     p.add_argument("--exact-workers", type=int, default=None,
                    help="local workers of the exactness check (default: --workers, at most 4)")
     g = p.add_argument_group("cluster planning (with --gpus; docs/check.md#planning-a-cluster)")
@@ -455,8 +461,6 @@ def parser() -> argparse.ArgumentParser:
                    help="the model's and the activations' dtype")
     g.add_argument("--amp", default=None, choices=["bfloat16", "float16"],
                    help="autocast dtype: activations and convolutions in it, parameters in --dtype")
-    g.add_argument("--optimizer", default="momentum", choices=["sgd", "momentum", "adam", "adamw"],
-                   help="what the optimizer keeps per parameter")
     g.add_argument("--memory", type=float, default=None, help="GiB per GPU, instead of the device table's")
     g.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of each GPU's memory a plan leaves free for the allocator's fragmentation")
@@ -475,45 +479,76 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def exactness(spec: str, shape: tuple[int, ...], workers: int) -> dict:
-    """``compare_training`` on a small float64 input: one process against ``workers`` local ones.
+class OutputsMSE(nn.Module):
+    """MSE summed over every output tensor (a list, tuple or dict of them, or one): the exactness check's loss,
+    so that a model with several outputs is checked on each."""
+
+    def forward(self, out, target):
+        from .verify import output_leaves
+
+        got, want = output_leaves(out), output_leaves(target)
+        return sum(torch.nn.functional.mse_loss(got[k], want[k]) for k in sorted(got))
+
+
+EXACT_STEPS = 3
+"""Optimizer steps of the exactness check: optimizer state (a momentum buffer, Adam's moments) made at step 1
+acts on the weights from step 2, and an error in its update at step 2 reaches them at step 3."""
+
+
+def exactness(spec: str, shape: tuple[int, ...], workers: int, optimizer: str = "momentum",
+              steps: int = EXACT_STEPS) -> dict:
+    """``compare_training`` on a small float64 input: one process against ``workers`` local ones, ``steps``
+    steps of ``optimizer`` (``model_spec.build_optimizer``), the optimizer state judged too.
 
     The model is built as the user has it (training mode: dropout and stochastic depth on); both sides
-    draw the same masks (``bigconv.ops.random``). Where the verdict is ``ill-conditioned at this size``,
-    ``rerun_at`` is an input shape at which one process's run is well conditioned (or None)."""
+    draw the same masks (``bigconv.ops.random``). The loss is the MSE against a random target of each
+    output's shape (``OutputsMSE``: every output of a model with several). Where the verdict is
+    ``ill-conditioned at this size``, ``rerun_at`` is an input shape at which one process's run is well
+    conditioned (or None)."""
     from .engine.dry_run import copy_model
     from .runtime.world import World
-    from .verify import compare_training, conditioned_size
+    from .verify import ERROR_KEYS, compare_training, conditioned_size, map_output
 
+    cls, opt_kwargs = build_optimizer(optimizer)
     torch.manual_seed(0)
     model = build_model(spec).double()
     x = torch.randn(*shape, dtype=torch.float64)
 
-    def target(inp: torch.Tensor) -> torch.Tensor:  # MSE against a random target of the output's shape
+    def target(inp: torch.Tensor):  # a random target of each output's shape
         with torch.no_grad():
-            return torch.randn_like(copy_model(model).eval()(inp))
+            return map_output(copy_model(model).eval()(inp), torch.randn_like)
 
     y = target(x)
     grid = choose_grid(shape[2:], workers)
     untouched = copy_model(model)  # compare_training hands ``model`` to the workers
     with World(workers=workers) as world:
-        r = compare_training(model, world, x, y, torch.nn.MSELoss(), grid=grid, steps=1)
-    rerun = conditioned_size(untouched, x, target, torch.nn.MSELoss(), steps=1) \
+        r = compare_training(model, world, x, y, OutputsMSE(), grid=grid, steps=steps, optimizer=cls, **opt_kwargs)
+    rerun = conditioned_size(untouched, x, target, OutputsMSE(), steps=steps, optimizer=cls, opt_kwargs=opt_kwargs) \
         if r["verdict"] == "ill-conditioned at this size" else None
-    keys = ("forward", "input_grad", "param_grads", "loss", "weights")
+    keys = ERROR_KEYS
     return {"input": list(shape), "dtype": "float64", "workers": workers, "grid": list(grid), "exact": r["exact"],
-            "verdict": r["verdict"], "relative_errors": {k: r[k] for k in keys}, "worst": {k: r["worst"][k] for k in keys},
+            "verdict": r["verdict"], "steps": steps, "optimizer": f"{cls.__name__}({_kwargs(opt_kwargs)})",
+            "relative_errors": {k: r[k] for k in keys}, "worst": {k: r["worst"][k] for k in keys},
             "ill_conditioned": [{k: t[k] for k in ("category", "tensor", "error", "scale", "noise")}
                                 for t in r["ill_conditioned"]],
-            "wrong": [{k: t[k] for k in ("category", "tensor", "error", "scale", "noise", "status")}
-                      for t in r["wrong"]],
-            "residues": len(r["residues"]), "rerun_at": list(rerun) if rerun else None, "tolerance": r.get("tol")}
+            "wrong": [{k: t[k] for k in ("category", "tensor", "error", "scale", "noise", "status", "workers")
+                       if k in t} for t in r["wrong"]],
+            "residues": len(r["residues"]), "rerun_at": list(rerun) if rerun else None, "tolerance": r.get("tol"),
+            "reorderings": r["reorderings"]}
+
+
+def _kwargs(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
 
 
 def check(args) -> dict:
     shape = args.input
     dims = len(shape) - 2
     check_positive_int(args.workers, "--workers")
+    if args.exact_steps < EXACT_STEPS:
+        raise ValueError(f"--exact-steps {args.exact_steps}: the exactness check needs at least {EXACT_STEPS} steps "
+                         "(optimizer state made at step 1 acts from step 2; an error in its update shows at step 3)")
+    build_optimizer(args.optimizer)  # a bad --optimizer is named before any work
     grid = validate_grid(args.grid, args.workers) if args.grid else choose_grid(shape[2:], args.workers)
     if len(grid) != dims:
         raise ValueError(f"--grid {grid} has {len(grid)} entries but the input has {dims} spatial dims")
@@ -543,7 +578,8 @@ def check(args) -> dict:
         result["exactness"] = None
     else:
         small = (2, shape[1], *[args.exact_size] * dims)  # batch 2: BatchNorm needs two values per channel
-        result["exactness"] = exactness(args.model, small, args.exact_workers or min(args.workers, 4))
+        result["exactness"] = exactness(args.model, small, args.exact_workers or min(args.workers, 4),
+                                        args.optimizer, args.exact_steps)
     return result
 
 
@@ -596,12 +632,24 @@ def report(r: dict) -> str:
     e = r["exactness"]
     if e:
         errs = ", ".join(f"{k} {v:.1e}" for k, v in e["relative_errors"].items())
-        lines += ["", f"Exactness on {_x(e['input'])} float64, {e['workers']} workers, grid {_x(e['grid'])}: "
-                  f"{e['verdict'].upper()} (worst relative errors: {errs}; {e['residues']} residues, tensors "
-                  "that are zero in exact arithmetic, within 10x their rounding noise)"]
-        for t in e["wrong"][:10]:
+        lines += ["", f"Exactness on {_x(e['input'])} float64, {e['workers']} workers, grid {_x(e['grid'])}, "
+                  f"{e['steps']} steps of {e['optimizer']}: {e['verdict'].upper()} (worst relative errors: {errs}; "
+                  f"{e['residues']} residues)",
+                  "  (each tensor against one process within "
+                  f"{e['tolerance']:.0e} of its own size; rounding's effect measured by reordered one-process runs: "
+                  f"{', '.join(e['reorderings']) or 'none applied'}; a residue is a tensor those runs leave without a "
+                  "significant digit (a sum that cancels, zero in exact arithmetic), allowed 10x their movement; "
+                  "no other floor; outputs, input gradients and losses never floored; docs/testing.md)"]
+        apart = [t for t in e["wrong"] if t["category"] == "replicas"]  # first: where copies went apart
+        against = [t for t in e["wrong"] if t["category"] != "replicas"]
+        for t in apart[:6]:
+            lines.append(f"  workers disagree: {t['tensor']} on worker(s) {', '.join(map(str, t['workers']))} "
+                         f"differs from worker 0's by {t['error']:.1e} (size {t['scale']:.1e})")
+        for t in against[:10]:
             lines.append(f"  {t['status']}: {t['category']} {t['tensor']}: error {t['error']:.1e}, size "
                          f"{t['scale']:.1e}, rounding noise {t['noise']:.1e}")
+        if len(apart) > 6 or len(against) > 10:
+            lines.append(f"  ... {max(len(apart) - 6, 0) + max(len(against) - 10, 0)} more (--json lists them all)")
         if e["verdict"] == "ill-conditioned at this size":
             lines.append(f"  rounding alone moves {len(e['ill_conditioned'])} tensors by more than "
                          f"{e['tolerance']:.0e} of their size in one process, so no comparison can call them exact:")
@@ -617,6 +665,9 @@ def planning(args) -> int:
     from .harness import plan_report
 
     check_positive_int(args.gpus, "--gpus")
+    if args.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer {args.optimizer}: the planner counts optimizer state by name; give one of "
+                         f"{', '.join(OPTIMIZERS)} (the closest to yours in state per parameter)")
     if args.gpu is None:
         raise ValueError(f"--gpus needs --gpu: one of {', '.join(devices.GPUS)}, NAME:key=value,... or a JSON file")
     if args.grid and len(args.grid) != len(args.input) - 2:

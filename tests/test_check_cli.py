@@ -27,6 +27,7 @@ def run_check(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.timeout(600)
 def test_a_decomposable_zoo_model_reports_layers_memory_and_exactness():
     done = run_check("torchvision:resnet18:num_classes=3", "--input", "1x3x512x512", "--workers", "4", "--json",
                      "--memory-edges", "64,128", "--exact-size", "32", "--exact-workers", "2")
@@ -103,11 +104,15 @@ def test_the_terminal_report_names_every_part():
                     "ideal_per_process_bytes": 100 * 2**20},
          "exactness": {"input": [2, 1, 64, 64], "workers": 4, "grid": [2, 2], "exact": True, "verdict": "exact",
                        "relative_errors": {"forward": 1e-16, "weights": 2e-16}, "wrong": [], "ill_conditioned": [],
-                       "residues": 2, "rerun_at": None, "tolerance": 1e-9}}
+                       "residues": 2, "rerun_at": None, "tolerance": 1e-9, "steps": 3,
+                       "optimizer": "SGD(lr=0.05, momentum=0.9)", "reorderings": ["channels-last", "reversed batch"]}}
     text = report(r)
     assert "Decomposable: yes" in text and "features.0" in text and "32x32" in text  # a 2x2 grid's shard
     assert "one process: 400 MiB; each of 4 processes: 110 MiB (single / 4: 100 MiB)" in text
     assert ": EXACT (" in text and "forward 1.0e-16" in text and "2 residues" in text
+    assert "3 steps of SGD(lr=0.05, momentum=0.9)" in text
+    # What the verdict assumes and where its floor applies, said beside it
+    assert "channels-last, reversed batch" in text and "no other floor" in text and "never floored" in text
     # An ill-conditioned result is never reported exact: it names the tensors and the size to rerun at.
     r["exactness"].update(exact=False, verdict="ill-conditioned at this size", rerun_at=[2, 1, 128, 128],
                           ill_conditioned=[{"category": "weights", "tensor": "bn.bias", "error": 1e-17,
@@ -170,3 +175,70 @@ def test_the_check_can_fail(tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     e = json.loads(done.stdout)["exactness"]
     assert e["verdict"] == "not exact" and e["wrong"] and e["wrong"][0]["category"] in ("param_grads", "weights")
+
+
+STATE_OFF_ON_ONE_WORKER = '''
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class MomentumOffOnWorker1(torch.optim.SGD):
+    """SGD with momentum whose buffers on worker 1 are 1e-6 off after the first step: the error acts on the
+    weights from step 2 on, invisible to a check of one step."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, lr=lr, momentum=0.9)
+        self.steps = 0
+
+    def step(self, closure=None):
+        out = super().step(closure)
+        self.steps += 1
+        if self.steps == 1 and dist.is_initialized() and dist.get_rank() == 1:
+            for state in self.state.values():
+                state["momentum_buffer"].mul_(1 + 1e-6)
+        return out
+
+
+class TwoHeads(nn.Module):
+    """Several outputs: a dense map and a pooled vector, in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+        self.seg = nn.Conv2d(4, 2, 1)
+        self.cls = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+    def forward(self, x):
+        h = self.body(x)
+        return {"mask": self.seg(h), "label": self.cls(h)}
+
+
+def build():
+    return TwoHeads()
+'''
+
+
+@pytest.mark.timeout(600)
+def test_the_check_judges_optimizer_state_over_three_steps_on_several_outputs(tmp_path):
+    """A model with a dict of outputs is checked on each (MSE summed over them); 3 steps of the named optimizer by
+    default; an optimizer whose momentum buffers go 1e-6 wrong on worker 1 after step 1 reads NOT EXACT naming
+    worker 1 and the tensors (a one-step check, as before, could not see it); fewer than 3 steps are refused."""
+    (tmp_path / "nets.py").write_text(STATE_OFF_ON_ONE_WORKER)
+    model = f"{tmp_path / 'nets.py'}:build"
+    common = ["--input", "2x1x32x32", "--workers", "2", "--no-memory", "--exact-size", "16"]
+    done = run_check(model, *common, "--optimizer", "adam", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    e = json.loads(done.stdout)["exactness"]
+    assert e["verdict"] == "exact" and e["steps"] == 3 and e["optimizer"].startswith("Adam(")
+    assert e["relative_errors"]["optimizer"] <= e["tolerance"]
+    done = run_check(model, *common, "--optimizer", f"{tmp_path / 'nets.py'}:MomentumOffOnWorker1")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "NOT EXACT" in done.stdout and "3 steps of MomentumOffOnWorker1" in done.stdout
+    assert "workers disagree: weights body.0.weight on worker(s) 1" in done.stdout, done.stdout
+    done = run_check(model, *common, "--optimizer", f"{tmp_path / 'nets.py'}:MomentumOffOnWorker1", "--json")
+    apart = {t["tensor"]: t["workers"] for t in json.loads(done.stdout)["exactness"]["wrong"]
+             if t["category"] == "replicas"}
+    assert apart["optimizer body.0.weight.momentum_buffer"] == [1] and apart["weights seg.bias"] == [1], apart
+    done = run_check(model, *common, "--exact-steps", "2")
+    assert done.returncode == 2 and "at least 3 steps" in done.stderr

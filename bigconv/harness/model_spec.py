@@ -88,3 +88,43 @@ def _from_file(path: Path, function: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ValueError(f"{path}:{function}() returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+OPTIMIZERS = {
+    "sgd": ("SGD", {"lr": 0.05}),
+    "momentum": ("SGD", {"lr": 0.05, "momentum": 0.9}),
+    "adam": ("Adam", {"lr": 1e-3}),
+    "adamw": ("AdamW", {"lr": 1e-3, "weight_decay": 0.01}),
+}
+"""The optimizers named by ``--optimizer``, as the exactness check builds them (the planner counts their state
+per parameter: none, one buffer, two moments)."""
+OPTIMIZER_FORMS = (f"{', '.join(OPTIMIZERS)}, a class with arguments (torch.optim.RMSprop:lr=1e-3,momentum=0.9, "
+                   "my_package.opt:Lion:lr=1e-4) or path/to/file.py:MyOptimizer[:key=value,...]")
+
+
+def build_optimizer(spec: str) -> tuple[type, dict]:
+    """The optimizer class and keyword arguments ``spec`` names (``OPTIMIZER_FORMS``)."""
+    import torch
+
+    if spec in OPTIMIZERS:
+        name, kwargs = OPTIMIZERS[spec]
+        return getattr(torch.optim, name), dict(kwargs)
+    where, _, rest = spec.partition(":")
+    name, _, args = rest.partition(":")
+    if not where:
+        raise ValueError(f"cannot read the optimizer {spec!r}; write one of {OPTIMIZER_FORMS}")
+    if where.endswith(".py"):
+        if not Path(where).is_file() or not name:
+            raise ValueError(f"{spec}: give an existing file and the optimizer class in it, e.g. my_opt.py:Lion")
+        module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    elif "." in where and name and "=" not in name:  # my_package.opt:Lion[:args]
+        module = importlib.import_module(where)
+    else:  # torch.optim.RMSprop[:args]
+        module_name, _, name_in = where.rpartition(".")
+        module, args, name = importlib.import_module(module_name or "torch.optim"), rest, name_in
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise ValueError(f"{spec}: {name!r} is not a torch.optim.Optimizer class; write one of {OPTIMIZER_FORMS}")
+    return cls, parse_kwargs(args) if args else {}
