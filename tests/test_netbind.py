@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import warnings
 
 import psutil
 import pytest
@@ -72,3 +73,16 @@ def test_a_taken_port_names_the_fix():
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match="BIGCONV_PORT"):
             netbind.listening_socket("127.0.0.1", port)
+
+
+def test_a_wildcard_listener_is_refused_unless_the_user_opts_in():
+    for host in ("0.0.0.0", "::", "0", ""):
+        with pytest.raises(ValueError, match="wildcard address.*BIGCONV_ALLOW_WILDCARD=1"):
+            netbind.listening_socket(host)
+    with pytest.warns(UserWarning, match="every interface of this host"):
+        sock = netbind.listening_socket("0.0.0.0", allow_wildcard=True)
+    with sock:
+        assert sock.getsockname()[0] == "0.0.0.0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        netbind.listening_socket("127.0.0.1").close()  # a named address: no word

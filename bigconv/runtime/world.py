@@ -276,6 +276,7 @@ class World:
         if mode != "driver":
             raise ValueError(f"mode must be 'driver' or 'spmd', got {mode!r}")
         info = launch_env.detect(env)
+        netbind.check_launch_address(info.master_addr, env)
         if device == "cuda":  # every rank, the driver too, refuses before any group or RPC agent exists
             import torch
 
@@ -300,7 +301,7 @@ class World:
         self.threads_per_worker = threads
         self._start_bookkeeping()
         _claim_process()
-        self._store = netbind.host_store(info.master_addr, info.port, timeout)
+        self._store = netbind.host_store(info.master_addr, info.port, timeout, netbind.wildcard_allowed(env))
         _fresh_rpc_counters()
         options = rpc_options(netbind.rendezvous_url(self._store, RPC_STORE_KEY), self.workers, timeout)
         with netbind.bound_to(ifname), quiet_rpc_init():
