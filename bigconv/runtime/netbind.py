@@ -1,4 +1,4 @@
-"""Where a world's sockets listen: one interface, never a wildcard.
+"""Where a world's sockets listen: one interface, never a wildcard; and a local world's store, which has none.
 
 RPC runs pickled Python for whoever connects, so every listener a world opens must sit on the one
 interface its peers use: loopback for a local world, the interface of the launch address for a
@@ -14,6 +14,9 @@ cluster world. Three kinds of sockets listen:
 RPC's own ``tcp://`` rendezvous would host a second store on a wildcard; ``bigconv://`` instead
 hands RPC the world's store (under its own key prefix), so a world has exactly one store port.
 
+Loopback keeps other hosts out, not other accounts of this host: ``TCPStore`` has no authentication and
+lists its keys to whoever connects. A local World's store is therefore no socket at all but a file only
+this account can open (``StoreFile``); a launched world's store has to be a socket every node reaches.
 A wildcard address (``0.0.0.0``, ``::``) is refused unless ``BIGCONV_ALLOW_WILDCARD=1``.
 """
 
@@ -22,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import shutil
 import socket
+import tempfile
 import warnings
 from datetime import timedelta
 from typing import Iterator
@@ -181,6 +186,35 @@ def host_store(host: str, port: int, timeout: float, allow_wildcard: bool | None
     port = sock.getsockname()[1]
     return dist.TCPStore(resolve(host), port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+class StoreFile:
+    """A local World's store: a file only this account can open, in a folder of its own (mode 0700, under
+    ``tempfile.gettempdir()``; the file 0600). No port: another account of this host has nothing to
+    connect to, and cannot read or set a key. The workers get its path in their environment."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="bigconv-world-")  # 0700, owned by this account
+        self.path = os.path.join(self.folder, "store")
+        os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o600))
+
+    def remove(self) -> None:
+        """Remove the folder this object made (and only that)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @staticmethod
+    def remove_at(path: str) -> None:
+        """A worker whose driver died (no ``close`` ran) removes the folder of the store file at ``path``."""
+        folder = os.path.dirname(path)
+        if os.path.basename(folder).startswith("bigconv-world-"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def file_store(path: str, timeout: float) -> dist.FileStore:
+    """The store of a local World at ``path`` (``StoreFile``), opened by the driver or a worker."""
+    store = dist.FileStore(path, -1)  # -1: the World removes the file, not the last process to leave
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 def rendezvous_url(store: dist.Store, key: str) -> str:
