@@ -330,7 +330,26 @@ def _panel(build_name: str, shape):
     return run
 
 
-SPECIAL = {"adjoint": (4, adjoint), "bad_input": (2, bad_input), "sources/R1": (2, sources),
+def nonfinite_gradient(world) -> dict:
+    """``tests/test_check_finite_gradients.py`` on SPMD ranks: the poisoned step refused on every rank, the
+    weights unchanged, the run going on as if the batch had never come."""
+    import test_check_finite_gradients as cf
+
+    def made():
+        net = bigconv.parallelize(cf.nan_behind_finite_loss(), world, grid=(2, 1), check_finite=True)
+        net.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, clip_grad_norm=1.0)
+        return net
+
+    reference = made()
+    cf.clean_run(reference)
+    net = made()
+    out = cf.poisoned_run(net, lambda: {k: v.detach().clone() for k, v in net.state_dict().items()})
+    out["same_as_clean_run"] = cf.same_weights(net.state_dict(), reference.state_dict())
+    return out
+
+
+SPECIAL = {"adjoint": (4, adjoint), "bad_input": (2, bad_input), "nonfinite_gradient": (2, nonfinite_gradient),
+           "sources/R1": (2, sources),
            "sources/R2": (4, sources), "panel/stochastic_net": (4, _panel("stochastic_net", (4, 2, 13, 11))),
            "panel/bn_net": (4, _panel("bn_net", (2, 2, 12, 10)))}
 """Cases with their own checks (not ``compare_training`` alone)."""

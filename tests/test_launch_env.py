@@ -1,13 +1,17 @@
 """Launcher detection for World.from_env(), with fake environments (no cluster needed).
 
 A wrong parse here puts the driver on the wrong host or two processes on one rank; a wrong port
-collides with torchrun's own store (the world then never starts under a real torchrun).
+collides with torchrun's own store (the world then never starts under a real torchrun). A wildcard
+launch address (``MASTER_ADDR=0.0.0.0``) would put rank 0's store on every interface: every rank
+refuses it before it connects (``netbind.check_launch_address``), unless the user opts in.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import bigconv
+from bigconv.runtime import netbind
 from bigconv.runtime.launch_env import AGENT_PORT_OFFSET, detect, first_slurm_host
 
 
@@ -71,3 +75,22 @@ def test_torchrun_wins_over_slurm():
 def test_bad_environments(env, match):
     with pytest.raises(ValueError, match=match):
         detect(env)
+
+
+@pytest.mark.parametrize("host,wild", [("0.0.0.0", True), ("::", True), ("[::]", True), ("0", True), ("0.0", True),
+                                       ("", True), ("::0", True), ("127.0.0.1", False), ("node7", False),
+                                       ("10.0.0.1", False), ("::1", False)])
+def test_wildcard_spellings(host, wild):
+    assert netbind.is_wildcard(host) == wild
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["spmd", "driver"])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_wildcard_launch_address_is_refused_on_every_rank_with_the_fix(mode, rank):
+    """Issue 52: ``MASTER_ADDR=0.0.0.0`` was accepted and the store listened on every interface."""
+    env = {"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "MASTER_ADDR": "0.0.0.0", "BIGCONV_PORT": "29999"}
+    with pytest.raises(ValueError, match=r"MASTER_ADDR='0.0.0.0' is a wildcard address.*Set MASTER_ADDR to the "
+                                         r"address of rank 0's host.*127.0.0.1.*or set BIGCONV_ALLOW_WILDCARD=1"):
+        bigconv.World.from_env(mode=mode, device="cpu", timeout=3, env=env)
+    netbind.check_launch_address("0.0.0.0", {"BIGCONV_ALLOW_WILDCARD": "1"})  # the opt-in (rank 0 warns as it binds)

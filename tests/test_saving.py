@@ -12,9 +12,14 @@ of the same uninterrupted run under a CPU burner; never on an idle host).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
+import pathlib
+import struct
+import zipfile
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -119,9 +124,20 @@ def _corrupt(path, tmp_path):
     return bad
 
 
+def _flip_a_bit(path, record: str = "data/0") -> None:
+    """Flip one bit inside the first tensor's bytes (a disk or copy error): the file stays a valid zip."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(record))
+    data = bytearray(open(path, "rb").read())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26: info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + 6] ^= 0x04  # a mantissa bit of the first float64
+    open(path, "wb").write(bytes(data))
+
+
 @pytest.mark.world(2)
 @pytest.mark.parametrize("case,match", [
     ("truncated", "truncated, corrupt or not a torch file"),
+    ("bitflip", r"ck.pt' is corrupt: Bad CRC-32 for file '\w+/data/0'.*use an intact copy"),
     ("missing", "no checkpoint at"),
     ("foreign", "not a bigconv checkpoint"),
     ("architecture", r"from another architecture: it has no 'features.0.weight'"),
@@ -137,6 +153,8 @@ def test_a_bad_checkpoint_is_refused_and_leaves_the_model_alone(world, tmp_path,
         target.optimizer(torch.optim.SGD if case == "other_optimizer" else torch.optim.Adam, lr=0.01)
     if case == "truncated":
         path = _corrupt(path, tmp_path)
+    elif case == "bitflip":
+        _flip_a_bit(path)
     elif case == "missing":
         path = tmp_path / "nothing.pt"
     elif case == "foreign":
@@ -205,3 +223,73 @@ def test_an_interrupted_save_leaves_no_debris_after_the_next(tmp_path):
         saving.atomic_save({"a": 2}, tmp_path / "ck.pt")
     assert sorted(os.listdir(tmp_path)) == ["ck.pt", "ck.pt.notes.tmp"]
     assert torch.load(tmp_path / "ck.pt") == {"a": 2}
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("extra,where,kind", [
+    ({"args": argparse.Namespace(lr=0.1)}, r"extra\['args'\]", r"argparse.Namespace.*vars\(args\)"),
+    ({"out": pathlib.Path("runs")}, r"extra\['out'\]", r"pathlib.PosixPath.*str\(path\)"),
+    ({"stats": {"mean": np.zeros(3)}}, r"extra\['stats'\]\['mean'\]", r"numpy.ndarray.*torch.from_numpy"),
+])
+def test_save_refuses_what_load_cannot_read_back(world, tmp_path, extra, where, kind):
+    """Issue 52: such values were written, and load then called the good file corrupt. Refused before a byte
+    is written, naming the entry and its type; the file already there stays loadable."""
+    net = fresh(world)
+    path = net.save(tmp_path / "ck.pt")
+    train(net, batches(1))
+    with pytest.raises(ValueError, match=f"cannot save {where}, of type {kind}.*Nothing was written"):
+        net.save(path, extra=extra)
+    assert saving.read(path)["step"] == 0 and os.listdir(tmp_path) == ["ck.pt"]
+
+
+@pytest.mark.world(2)
+def test_numpy_scalars_are_saved_as_the_numbers_they_hold(world, tmp_path):
+    """An epoch from ``np.arange`` made every later save of the model unloadable: numpy scalars are stored as
+    Python numbers (``.item()``), the epoch carried by the next saves included."""
+    net = fresh(world)
+    train(net, batches(1))
+    net.save(tmp_path / "a.pt", extra={"lr": np.float32(0.5), "seen": [np.int64(3), np.bool_(True)]},
+             epoch=np.int64(4))
+    net.save(tmp_path / "b.pt")  # the model keeps the epoch it was given
+    extra = saving.read(tmp_path / "a.pt")["extra"]
+    assert extra == {"lr": 0.5, "seen": [3, True]} and [type(v) for v in extra["seen"]] == [int, bool]
+    other = fresh(world)
+    other.load(tmp_path / "b.pt")
+    assert other.epoch == 4 and type(other.epoch) is int
+
+
+def test_an_intact_file_a_safe_load_refuses_is_not_called_corrupt(tmp_path):
+    """A file an older bigconv wrote with such a value is intact: the error says what it holds and how to read
+    it if trusted, never "corrupt"."""
+    path = tmp_path / "old.pt"
+    torch.save({"format": saving.FORMAT, "version": saving.VERSION, "extra": {"args": argparse.Namespace(lr=1)}},
+               path)
+    with pytest.raises(ValueError) as info:
+        saving.read(path)
+    message = str(info.value)
+    assert "is intact but holds a value of type argparse.Namespace" in message and "corrupt" not in message
+    with torch.serialization.safe_globals([argparse.Namespace]):  # the way the message gives
+        assert saving.read(path)["extra"]["args"].lr == 1
+
+
+@pytest.mark.world(2)
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch):
+    """Issue 52: a full disk read ``RuntimeError: [enforce fail at inline_container.cc...]``. The save's
+    temporary file is written to /dev/full, whose every write fails with ENOSPC as a full disk's does."""
+    net = fresh(world)
+    path = net.save(tmp_path / "ck.pt")
+    train(net, batches(1))
+    real = saving.tempfile.mkstemp
+
+    def on_a_full_disk(*args, **kwargs):
+        fd, name = real(*args, **kwargs)
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(saving.tempfile, "mkstemp", on_a_full_disk)
+    with pytest.raises(OSError, match=r"cannot write the checkpoint .*ck.pt': the disk is full where it goes "
+                                      r"\('.*'.*MiB free there\); the previous checkpoint at .*ck.pt' is kept"):
+        net.save(path)
+    monkeypatch.undo()
+    assert saving.read(path)["step"] == 0 and os.listdir(tmp_path) == ["ck.pt"]

@@ -8,6 +8,7 @@ weights after two SGD-momentum steps must match one process to 1e-9 in float64, 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -45,7 +46,8 @@ def _result(spmd_runs, name):
     return per_rank
 
 
-EQUIVALENCE = sorted(n for n in SIZES if n not in ("adjoint", "bad_input") and not n.startswith("panel/"))
+EQUIVALENCE = sorted(n for n in SIZES if n not in ("adjoint", "bad_input", "nonfinite_gradient")
+                     and not n.startswith("panel/"))
 """Every case but the adjoint and bad-input ones returns compare_training's errors (sources cases add
 ``predict``)."""
 
@@ -99,6 +101,18 @@ def test_bad_layouts_refused_on_every_rank(spmd_runs):
         assert "does not divide" in r["replicas-not-dividing"], r
         assert "positive integer" in r["replicas-not-int"], r
         assert "at least one image" in r["too-few-images"], r
+
+
+@pytest.mark.timeout(900)
+def test_a_nan_gradient_behind_a_finite_loss_is_refused_on_every_rank(spmd_runs):
+    """``check_finite`` on SPMD ranks (tests/test_check_finite_gradients.py has the driver mode's)."""
+    from test_check_finite_gradients import MESSAGE
+
+    for rank, results in enumerate(_result(spmd_runs, "nonfinite_gradient")):
+        r = results["nonfinite_gradient"]
+        assert r["loss_finite"] and r["error"] is not None, (rank, r)
+        assert re.match("NonFiniteGradientError: " + MESSAGE, r["error"]), (rank, r)
+        assert r["unchanged"] and r["same_as_clean_run"], (rank, r)
 
 
 @pytest.mark.timeout(120)

@@ -37,6 +37,10 @@ class SourceReadError(RuntimeError):
     one stopped with it before its forward."""
 
 
+class NonFiniteGradientError(FloatingPointError, ValueError):
+    """``check_finite``: a summed gradient holds NaN or inf; the optimizer did not step."""
+
+
 class ShardEngine:
     def __init__(self, model: nn.Module, rt: WorkerRuntime, grad_group=None, seed: int = 0,
                  compile: bool = False) -> None:
@@ -188,9 +192,11 @@ class ShardEngine:
         self.buckets.reset()
         self.accumulating = False
 
-    def end(self, step: bool, accumulate: bool = False) -> None:
+    def end(self, step: bool, accumulate: bool = False, check_finite: bool = False, call: int | None = None) -> None:
         """Wait for the gradient sums; with ``step``, clip, take the optimizer step, step the scheduler and
-        clear them. With ``accumulate`` nothing is summed or stepped: the gradients wait in ``.grad``."""
+        clear them. With ``accumulate`` nothing is summed or stepped: the gradients wait in ``.grad``. With
+        ``check_finite``, a NaN or inf in a summed gradient is a ``NonFiniteGradientError`` before anything changes
+        (``check_gradients``)."""
         if accumulate:
             self.accumulating = True
             return
@@ -199,6 +205,8 @@ class ShardEngine:
         if step:
             if self.opt is None:
                 raise RuntimeError("no optimizer: call net.optimizer(torch.optim.SGD, lr=...) before train_step")
+            if check_finite:
+                self.check_gradients(call)
             if self.clip is not None:
                 torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], self.clip)
             self.opt.step()
@@ -206,6 +214,28 @@ class ShardEngine:
                 self.scheduler.step()
             self.opt.zero_grad(set_to_none=True)
             self.update_ema()
+
+    @torch.no_grad()
+    def check_gradients(self, call: int | None) -> None:
+        """Refuse a step whose summed gradients hold NaN or inf, naming the first such parameter: the weights,
+        the optimizer's and the scheduler's state and the EMA stay as they were; the gradients are cleared.
+        The sums are equal on every rank, so every rank refuses together, with no message between them. One
+        reduction and one device sync per step."""
+        named = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        if not named:
+            return
+        bad = torch.stack([torch.isfinite(g).logical_not().any() for _, g in named])
+        if not bool(bad.any()):
+            return
+        name, grad = named[int(bad.nonzero()[0, 0])]
+        count = int(torch.isfinite(grad).logical_not().sum())
+        self.model.zero_grad(set_to_none=True)
+        where = f"the step of call {call}" if call is not None else "this step"
+        raise NonFiniteGradientError(
+            f"check_finite: in {where} the summed gradient of {name!r} holds {count} NaN or infinite value(s) of "
+            f"{grad.numel()} (the first such parameter of {len(named)}); the optimizer did not step, the weights "
+            "are as before this step. A finite loss can hide it: look for an operation with an infinite derivative "
+            "(sqrt or log at 0, a division by ~0), or lower the learning rate")
 
     @torch.no_grad()
     def update_ema(self) -> None:

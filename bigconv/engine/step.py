@@ -43,6 +43,9 @@ class ShardCall:
     in_shape: tuple[int, ...]
     x: Any
     target: Any = None
+    check_finite: bool = False
+    """``parallelize(check_finite=True)``: a step refuses a NaN or infinite summed gradient before the
+    optimizer steps (``ShardEngine.end``)."""
 
 
 def shard_calls(call: int, plan: Plan, x, y=None, loss_fn=None, *, coords: Sequence[tuple[int, ...]] | None = None,
@@ -68,7 +71,7 @@ def shard_calls(call: int, plan: Plan, x, y=None, loss_fn=None, *, coords: Seque
                 yi = ShardRead(tuple(y)[slice(*items) if items else slice(None)], out_box, squeeze, check_finite)
             else:
                 yi = y[box_index(out_box, y.dim(), items)].clone()
-        calls.append(ShardCall(call, plan.grid, plan.in_shape, xi, yi))
+        calls.append(ShardCall(call, plan.grid, plan.in_shape, xi, yi, check_finite))
     return calls
 
 
@@ -139,7 +142,8 @@ def run(engine: ShardEngine, cmd: StepCommand, kept: Any = None) -> StepResult:
     except BaseException:
         engine.abort()
         raise
-    engine.end(cmd.optimizer_step and not cmd.gradients, accumulate)
+    engine.end(cmd.optimizer_step and not cmd.gradients, accumulate, check_finite=cmd.shard.check_finite,
+               call=cmd.shard.call)
     if cmd.gradients:
         return StepResult(loss, engine.input_grad(), engine.param_grads())
     return StepResult(loss)

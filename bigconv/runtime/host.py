@@ -11,6 +11,8 @@ host first and may define ``close()``.
 from __future__ import annotations
 
 import gc
+import hashlib
+import hmac
 import os
 from typing import Any, Callable
 
@@ -34,10 +36,28 @@ def this_device() -> torch.device:
     return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
 
 
+def goodbye_keys(secret: str) -> tuple[str, str]:
+    """The store keys of a World's goodbye (set by the driver; each worker adds one to the second as it
+    leaves), named by the World's secret: a process without it cannot set them, and one that lists the
+    store's keys sees them only once the driver has set them."""
+    tag = hmac.new(secret.encode(), b"bigconv-goodbye", hashlib.sha256).hexdigest()[:32]
+    return f"bigconv-release/{tag}", f"bigconv-released/{tag}"
+
+
+_GOODBYE: list[tuple[str, str] | None] = [None]
+
+
+def expected_goodbye() -> tuple[str, str] | None:
+    """This worker's goodbye keys, once the driver has created its host (``worker.serve`` waits on them)."""
+    return _GOODBYE[0]
+
+
 class WorkerHost:
     """One worker process (see the module doc)."""
 
-    def __init__(self, index: int, workers: int, timeout: float, checks: str) -> None:
+    def __init__(self, index: int, workers: int, timeout: float, checks: str, secret: str) -> None:
+        """``secret``: the World's (``goodbye_keys``), from the driver over RPC, never through the store."""
+        _GOODBYE[0] = goodbye_keys(secret)
         comm_checks = CommChecks.parse(checks)
         device = this_device()
         # The order check records from before the gradient group exists, as every collective counts.

@@ -24,7 +24,7 @@ from .. import losses, transport
 from ..saving import rng_state, set_rng_state
 from ..data.sources import ShardRead
 from ..engine import step
-from ..engine.shard import ShardEngine
+from ..engine.shard import NonFiniteGradientError, ShardEngine
 from ..engine.step import OutputGradients, ShardCall, StepCommand
 from ..geometry.boxes import box_index
 from ..ops.shards import global_shape
@@ -82,8 +82,8 @@ def _located(exc: Exception, where: str) -> Exception:
     The driver sees a remote error as its text only; without the module a worker's error says
     what failed but not where.
     """
-    if isinstance(exc, transport.WorkerFailure) or "(in module" in str(exc):
-        return exc
+    if isinstance(exc, (transport.WorkerFailure, NonFiniteGradientError)) or "(in module" in str(exc):
+        return exc  # a step's gradient check names its parameter, not a module the forward was in
     message = f"{exc} (in {where})"
     if isinstance(exc, KeyError):  # its text is a repr, which RPC would quote again
         return RuntimeError(f"KeyError: {message}")
@@ -121,6 +121,9 @@ class ModelPart:
         """The writer of a pyramid being written (``bigconv.data.pyramid.LevelWriter``)."""
         self.recorder = None
         """The hooks of a capture under way (``bigconv.engine.capture.Recorder``)."""
+        self.last_call: ShardCall | None = None
+        """The last call's ``ShardCall`` on the ``rpc`` transport: its step (``step_from_context``) checks the
+        gradients as it says."""
 
     @classmethod
     def install(cls, host, payload: bytes, transport_name: str, seed: int = 0, compile: bool = False) -> "ModelPart":
@@ -139,6 +142,7 @@ class ModelPart:
     def _forward(self, shard: ShardCall, grad):
         if self.transport == "rpc":
             self.rt.mailbox.drop_calls_before(shard.call)
+            self.last_call = shard
         try:
             return step.forward(self.engine, shard, grad)
         except Exception as exc:
@@ -369,7 +373,9 @@ class ModelPart:
     # -- a step on the rpc transport: gradients from the driver's distributed-autograd context -----------
     def step_from_context(self, context_id: int) -> None:
         self.engine.buckets.reduce(dist_autograd.get_gradients(context_id))
-        self.engine.end(step=True)
+        shard = self.last_call
+        self.engine.end(step=True, check_finite=shard is not None and shard.check_finite,
+                        call=None if shard is None else shard.call)
 
     def gradients(self, context_id: int) -> tuple[torch.Tensor | None, dict]:
         """This shard's input gradient and this replica's (unreduced) parameter gradients."""

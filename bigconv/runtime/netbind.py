@@ -1,4 +1,4 @@
-"""Where a world's sockets listen: one interface, never a wildcard.
+"""Where a world's sockets listen: one interface, never a wildcard; and a local world's store, which has none.
 
 RPC runs pickled Python for whoever connects, so every listener a world opens must sit on the one
 interface its peers use: loopback for a local world, the interface of the launch address for a
@@ -13,6 +13,11 @@ cluster world. Three kinds of sockets listen:
 
 RPC's own ``tcp://`` rendezvous would host a second store on a wildcard; ``bigconv://`` instead
 hands RPC the world's store (under its own key prefix), so a world has exactly one store port.
+
+Loopback keeps other hosts out, not other accounts of this host: ``TCPStore`` has no authentication and
+lists its keys to whoever connects. A local World's store is therefore no socket at all but a file only
+this account can open (``StoreFile``); a launched world's store has to be a socket every node reaches.
+A wildcard address (``0.0.0.0``, ``::``) is refused unless ``BIGCONV_ALLOW_WILDCARD=1``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import shutil
 import socket
+import tempfile
+import warnings
 from datetime import timedelta
 from typing import Iterator
 from urllib.parse import urlparse
@@ -28,6 +36,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 IFNAME_VARS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+ALLOW_WILDCARD_VAR = "BIGCONV_ALLOW_WILDCARD"
 NCCL_IFNAME_VAR = "NCCL_SOCKET_IFNAME"
 _STORES: dict[str, dist.Store] = {}
 
@@ -115,9 +124,50 @@ def bound_to(ifname: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def listening_socket(host: str, port: int = 0) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0: any free port) and listening."""
-    ip = resolve(host)
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` names every interface (``0.0.0.0``, ``::``, ``0``, ``[::]``, an empty name)."""
+    text = host.strip().strip("[]")
+    if text in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(text).is_unspecified
+    except ValueError:
+        pass
+    try:
+        return socket.inet_aton(text) == bytes(4)  # IPv4 shorthand such as "0" or "0.0"
+    except OSError:
+        return False
+
+
+def wildcard_allowed(env=None) -> bool:
+    """The user's opt-in to a store on every interface (``BIGCONV_ALLOW_WILDCARD=1``)."""
+    return (os.environ if env is None else env).get(ALLOW_WILDCARD_VAR, "") not in ("", "0")
+
+
+def check_launch_address(host: str, env=None, name: str = "MASTER_ADDR") -> None:
+    """Every rank of a launched world, before it connects: refuse a wildcard launch address, which would put
+    rank 0's store on every interface of its host, unless the user opted in (``BIGCONV_ALLOW_WILDCARD=1``;
+    rank 0 then warns as it listens)."""
+    if is_wildcard(host) and not wildcard_allowed(env):
+        raise ValueError(_wildcard_refusal(name, host))
+
+
+def _wildcard_refusal(name: str, host: str) -> str:
+    return (f"{name}={host!r} is a wildcard address: the world's store would listen on every interface of this "
+            "host, for any host that reaches it (a store admits whoever connects, and RPC runs pickled Python). "
+            f"Set {name} to the address of rank 0's host that the other ranks reach (127.0.0.1 for a run on one "
+            f"node), or set {ALLOW_WILDCARD_VAR}=1 to listen on every interface anyway")
+
+
+def listening_socket(host: str, port: int = 0, allow_wildcard: bool | None = None) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) and listening; never on a wildcard address
+    unless the user opted in (``allow_wildcard``; None: ``BIGCONV_ALLOW_WILDCARD=1``), with a warning."""
+    ip = resolve(host) if host.strip() else "0.0.0.0"
+    if is_wildcard(ip):
+        if not (wildcard_allowed() if allow_wildcard is None else allow_wildcard):
+            raise ValueError(_wildcard_refusal("the store's address", host))
+        warnings.warn(f"listening on {ip}:{port or 'a free port'}, every interface of this host ({ALLOW_WILDCARD_VAR} "
+                      "is set): any host that reaches it can use this world's store", stacklevel=2)
     sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -129,12 +179,42 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
-def host_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """The world's store, hosted by this process on ``host:port`` alone (port 0: a free one)."""
-    sock = listening_socket(host, port)
+def host_store(host: str, port: int, timeout: float, allow_wildcard: bool | None = None) -> dist.TCPStore:
+    """The world's store, hosted by this process on ``host:port`` alone (port 0: a free one; a wildcard
+    address only as ``listening_socket`` allows)."""
+    sock = listening_socket(host, port, allow_wildcard)
     port = sock.getsockname()[1]
     return dist.TCPStore(resolve(host), port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=timeout), master_listen_fd=sock.detach())
+
+
+class StoreFile:
+    """A local World's store: a file only this account can open, in a folder of its own (mode 0700, under
+    ``tempfile.gettempdir()``; the file 0600). No port: another account of this host has nothing to
+    connect to, and cannot read or set a key. The workers get its path in their environment."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="bigconv-world-")  # 0700, owned by this account
+        self.path = os.path.join(self.folder, "store")
+        os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o600))
+
+    def remove(self) -> None:
+        """Remove the folder this object made (and only that)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @staticmethod
+    def remove_at(path: str) -> None:
+        """A worker whose driver died (no ``close`` ran) removes the folder of the store file at ``path``."""
+        folder = os.path.dirname(path)
+        if os.path.basename(folder).startswith("bigconv-world-"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def file_store(path: str, timeout: float) -> dist.FileStore:
+    """The store of a local World at ``path`` (``StoreFile``), opened by the driver or a worker."""
+    store = dist.FileStore(path, -1)  # -1: the World removes the file, not the last process to leave
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 def rendezvous_url(store: dist.Store, key: str) -> str:

@@ -78,6 +78,7 @@ class SpmdWorld:
     @classmethod
     def from_env(cls, *, device: str = "auto", timeout: float = 300.0, env=None) -> "SpmdWorld":
         info = launch_env.detect(env, min_size=1)
+        netbind.check_launch_address(info.master_addr, env)
         return cls(info.rank, info.world_size, info.local_rank, info.local_world_size, info.master_addr, info.port,
                    device=device, timeout=timeout, ifname=netbind.cluster_interface(info.master_addr, env),
                    checks=CommChecks.from_env(env))

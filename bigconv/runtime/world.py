@@ -1,12 +1,16 @@
 """The runtime: a driver process plus worker processes joined by RPC and a gradient process group.
 
-Ports: the driver hosts one TCP store at ``port``; the workers' gradient group (gloo or nccl) and
-the RPC rendezvous each use it under their own key prefix (``bigconv.runtime.netbind``). The driver holds no
-shard and is not in the gradient group.
+The store: the driver hosts one; the workers' gradient group (gloo or nccl) and the RPC rendezvous each
+use it under their own key prefix (``bigconv.runtime.netbind``). A local World's is a file only this account
+can open (``netbind.StoreFile``); a launched world's a TCP store at ``port``. The driver holds no shard and
+is not in the gradient group.
 
 Security: RPC runs pickled Python for whoever connects. Every socket of a local world listens on
 127.0.0.1 only; a cluster world listens on the interface of its launch address only
-(``bigconv.runtime.netbind``), and belongs on a trusted network all the same.
+(``bigconv.runtime.netbind``), and belongs on a trusted network all the same. Each World has a secret
+(128 random bits, handed to its workers over RPC, never through the store) that names the keys of its
+goodbye (``host.goodbye_keys``), so no other process can end a run through a store it can reach.
+What stays open to other accounts of a host: docs/design.md, "Who can reach a world".
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import json
 import logging
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch.distributed.rpc as rpc
@@ -28,8 +34,7 @@ import torch.distributed.rpc.api as rpc_api
 from . import launch_env, netbind
 from .agent import RPC_STORE_KEY, WorldClosedError, check_gpus_per_rank, quiet_rpc_init, rpc_options
 from ..geometry.boxes import check_positive_int
-from .host import WorkerHost, on_host, on_part
-from .worker import RELEASE_KEY, RELEASED_KEY
+from .host import WorkerHost, goodbye_keys, on_host, on_part
 from ..transport import WorkerFailure, worker_name
 from ..transport.comm_checks import CommChecks, order_mismatches
 
@@ -194,13 +199,18 @@ class World:
         self._retired_parts: list[int] = []  # parts whose owner is gone on the driver; see retire
         self._next_part = 0  # one id space for every part on this world's workers
         self._hosts: list = []  # each worker's WorkerHost, as an RRef (bigconv.runtime.host)
+        # Known to this World's processes only: the workers get it over RPC with their hosts.
+        self._secret = secrets.token_hex(16)
+        self._store_file: netbind.StoreFile | None = None  # a local World's store (netbind.StoreFile)
 
     # -- startup -----------------------------------------------------------------------------
     def _start_local(self, startup_timeout: float) -> None:
         addr = "127.0.0.1"
         ifname = netbind.loopback_interface()
-        self._store = netbind.host_store(addr, 0, startup_timeout)
-        port = self._store.port
+        store_file = netbind.StoreFile()  # no port: see netbind
+        weakref.finalize(self, store_file.remove)  # also for a World never closed
+        self._store_file = store_file
+        self._store = netbind.file_store(store_file.path, startup_timeout)
         env = dict(os.environ)
         # TensorPipe logs every pipe closed at shutdown as a warning; keep workers' logs for real trouble.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -210,10 +220,10 @@ class World:
         # would otherwise start one OpenMP thread per core each and oversubscribe a shared host.
         env.setdefault("OMP_NUM_THREADS", str(self.threads_per_worker))
         for index in range(self.workers):
-            spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=port, local_rank=index,
+            spec = dict(rank=index + 1, world_size=self.workers + 1, addr=addr, port=0, local_rank=index,
                         device=self.device, threads=self.threads_per_worker, timeout=self.timeout,
                         startup_timeout=startup_timeout, ifname=ifname, local_size=self.workers,
-                        checks=self.checks.text())
+                        checks=self.checks.text(), store_file=store_file.path, driver_pid=os.getpid())
             env["BIGCONV_WORKER"] = json.dumps(spec)
             entry = "from bigconv.runtime.worker import main; main()"
             self._procs.append(subprocess.Popen([sys.executable, "-c", entry], env=env))
@@ -223,6 +233,7 @@ class World:
             self._start_hosts()
         except BaseException:
             self._kill_local()
+            store_file.remove()
             raise
 
     def _init_driver_rpc(self, startup_timeout: float) -> None:
@@ -276,6 +287,7 @@ class World:
         if mode != "driver":
             raise ValueError(f"mode must be 'driver' or 'spmd', got {mode!r}")
         info = launch_env.detect(env)
+        netbind.check_launch_address(info.master_addr, env)
         if device == "cuda":  # every rank, the driver too, refuses before any group or RPC agent exists
             import torch
 
@@ -300,7 +312,7 @@ class World:
         self.threads_per_worker = threads
         self._start_bookkeeping()
         _claim_process()
-        self._store = netbind.host_store(info.master_addr, info.port, timeout)
+        self._store = netbind.host_store(info.master_addr, info.port, timeout, netbind.wildcard_allowed(env))
         _fresh_rpc_counters()
         options = rpc_options(netbind.rendezvous_url(self._store, RPC_STORE_KEY), self.workers, timeout)
         with netbind.bound_to(ifname), quiet_rpc_init():
@@ -366,7 +378,8 @@ class World:
             raise
 
     def _connect_hosts(self) -> None:
-        self._hosts = [rpc.remote(name, WorkerHost, args=(i, self.workers, self.timeout, self.checks.text()),
+        self._hosts = [rpc.remote(name, WorkerHost, args=(i, self.workers, self.timeout, self.checks.text(),
+                                                          self._secret),
                                   timeout=self.rpc_timeout) for i, name in enumerate(self.names)]
         # Start-up (each host makes the gradient group, a collective) gets at least STARTUP_S, whatever the
         # World's timeout: a short timeout bounds a stalled step, not the processes' first collective on a
@@ -585,15 +598,19 @@ class World:
             self._reap(grace=30.0 if healthy else 0.0)
             self._release_orphan_contexts()
             self._store = None
+            if self._store_file is not None:
+                self._store_file.remove()
             netbind.forget(RPC_STORE_KEY)
             self._closing = False
 
     def _release_workers(self) -> bool:
-        """Say goodbye in the store (every worker waits on it); whether all of them left in time."""
-        self._store.set(RELEASE_KEY, "1")
+        """Say goodbye in the store (every worker waits on it, under keys named by this World's secret);
+        whether all of them left in time."""
+        release, released = goodbye_keys(self._secret)
+        self._store.set(release, "1")
         deadline = time.monotonic() + min(self.timeout, 30.0)
         while time.monotonic() < deadline:
-            if self._store.add(RELEASED_KEY, 0) >= self.workers:
+            if self._store.add(released, 0) >= self.workers:
                 return True
             time.sleep(0.01)
         return False
