@@ -334,12 +334,13 @@ class ParallelModel:
         self.world.check_usable()
         parts = self.world.call_part(self.id, "checkpoint_state", [(i == 0,) for i in range(self.world.workers)],
                                      "saving a checkpoint")
-        self.epoch = epoch if epoch is not None else self.epoch
+        epoch = epoch if epoch is not None else self.epoch
         ck = saving.checkpoint(parts[0]["model"], parts[0]["optimizer"], self.optimizer_class, self.steps,
                                [p["rng"] for p in parts], self.world.workers,
                                grid=list(self.grid) if self.grid else None, extra=extra or {},
-                               scheduler=parts[0]["scheduler"], epoch=self.epoch, ema=parts[0]["ema"],
+                               scheduler=parts[0]["scheduler"], epoch=epoch, ema=parts[0]["ema"],
                                draws=saved_draws([p["draws"] for p in parts]))
+        self.epoch = ck["epoch"]  # kept only once the checkpoint took it (a refused epoch is not)
         return saving.atomic_save(ck, path)
 
     def load(self, path) -> "ParallelModel":
@@ -446,9 +447,10 @@ def parallelize(model: nn.Module, world, grid: tuple[int, ...] | None = None, *,
     ``replicas=R`` adds data parallelism: R copies of the spatial grid, each on an equal slice of the
     batch, with ``prod(grid) * R`` equal to the world size. The driver mode has one replica.
 
-    ``check_finite``: refuse inputs and targets holding NaN or inf before sending them; each worker
-    checks the box it reads of image sources and names the slide and the box (off by default: it
-    reads the whole batch once more).
+    ``check_finite``: refuse inputs and targets holding NaN or inf before sending them (each worker
+    checks the box it reads of image sources and names the slide and the box), and gradients holding
+    them after the sum and before the optimizer step (naming the call and the first parameter; the
+    weights stay as they were). Off by default: it reads the whole batch once more.
 
     ``transport`` (driver mode): ``"p2p"`` (the default) runs each worker's step as an SPMD rank runs
     it: halos point-to-point between the workers (on the GPU with NCCL), local autograd, gradients

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+from pathlib import Path
 import pathlib
 import struct
 import zipfile
@@ -240,6 +241,10 @@ def test_save_refuses_what_load_cannot_read_back(world, tmp_path, extra, where, 
     with pytest.raises(ValueError, match=f"cannot save {where}, of type {kind}.*Nothing was written"):
         net.save(path, extra=extra)
     assert saving.read(path)["step"] == 0 and os.listdir(tmp_path) == ["ck.pt"]
+    with pytest.raises(ValueError, match="cannot save epoch"):
+        net.save(path, epoch=Path("3"))
+    assert net.epoch is None  # a refused epoch is not kept for the next save
+    net.save(path)
 
 
 @pytest.mark.world(2)

@@ -397,14 +397,18 @@ class SpmdModel(nn.Module):
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
         """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state, ``epoch`` and the
         random draws' seed and forward count included); every rank returns once it is on disk."""
+        epoch = epoch if epoch is not None else self.epoch
+        # What load could not read back is refused on every rank alike, before any message (rank 0 alone would
+        # leave the others at the barrier).
+        extra, epoch = saving.plain(extra or {}, "extra"), saving.plain(epoch, "epoch")
         parts = [None] * self.world.size
         with self.engine.naming_lost_ranks("save: gathering the ranks' generator states"):
             dist.all_gather_object(parts, (rng_state(torch.device("cpu")), self.engine.draws_state()))
-        self.epoch = epoch if epoch is not None else self.epoch
+        self.epoch = epoch
         if self.world.rank == 0:
             ck = saving.checkpoint(self.engine.state_dict(), self.engine.optimizer_state(), self.optimizer_class,
                                    self.steps, [rng for rng, _ in parts], self.world.size,
-                                   grid=list(self.grid) if self.grid else None, extra=extra or {},
+                                   grid=list(self.grid) if self.grid else None, extra=extra,
                                    scheduler=self.engine.scheduler_state(), epoch=self.epoch,
                                    draws=saved_draws([d for _, d in parts]))
             saving.atomic_save(ck, path)
