@@ -41,11 +41,14 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..geometry.boxes import all_coords, index_of, shard_box
 from .context import RuleContext
-from .shards import ATTENTION_ATTR, bind, global_shape, mark, mark_positions, positions, prefix
+from .shards import (
+    ATTENTION_ATTR, GATHER_ATTR, POSITIONS_ATTR, bind, global_shape, mark, mark_positions, positions, prefix,
+)
 
 STRATEGY_ATTR = ATTENTION_ATTR
 """Set on a module by ``use``: ``(strategy, memory)`` for the global attention inside it."""
@@ -125,29 +128,51 @@ def _bias(tables: Sequence[torch.Tensor], qc: list, kc: list, shape: Sequence[in
     return out
 
 
-def _scores(q, k, scale, tables, qc, kc, shape):
+def flat_index(shape: Sequence[int], coords: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The row-major index among all of an image's positions of those at per-axis ``coords`` (the order of
+    one process's ``x.reshape(..., -1)``)."""
+    index = torch.zeros_like(coords[0])
+    for c, n in zip(coords, shape):
+        index = index * n + c
+    return index
+
+
+def _scores(q, k, scale, tables, qc, kc, shape, mask=None):
+    """``scale q kᵀ`` plus the relative position bias and the mask's columns for these keys (``mask``: already
+    cut to them, additive)."""
     s = (q @ k.transpose(-1, -2)) * scale
     bias = _bias(tables, qc, kc, shape)
-    return s if bias is None else s + bias
+    s = s if bias is None else s + bias
+    return s if mask is None else s + mask
+
+
+def _shift(m: torch.Tensor) -> torch.Tensor:
+    """A running maximum usable as a shift: 0 where every score so far is masked (-inf), so exp(-inf - shift) is 0,
+    not nan, until a key is seen."""
+    return torch.where(m == -math.inf, torch.zeros_like(m), m)
 
 
 class RingPlan:
     """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
 
     def __init__(self, ctx, shape: Sequence[int], scale: float, device, prefix: int = 0,
-                 whole_queries: int | None = None) -> None:
+                 whole_queries: int | None = None, lead: int = 1, trail: int = 1) -> None:
         """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``; ``prefix``: whole tokens
         (the same on every shard) in front of each shard's keys and values (``bigconv.ops.prefix``);
         ``whole_queries``: those in front of its queries (default ``prefix``; all of them for a pooling
-        head's latent queries over split tokens)."""
+        head's latent queries over split tokens); ``lead``, ``trail``: whole items around the positions in the
+        same dim (``shards.WindowGrid``: Hiera's tokens, the offsets inside its mask units in front), so that a
+        shard's block is ``lead x its positions x trail``, row-major."""
         self.ctx, self.shape, self.scale, self.prefix = ctx, tuple(shape), scale, int(prefix)
+        self.lead, self.trail = int(lead), int(trail)
         self.whole_queries = self.prefix if whole_queries is None else int(whole_queries)
         self.pooled = whole_queries is not None  # every query whole (a pooling head's latents): none local
         self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
         self.index = index_of(ctx.executor.coord, self.grid)
         self.size = len(self.coords)
-        self.counts = [math.prod(b - a for a, b in shard_box(shape, self.grid, c)) for c in self.coords]
+        self.counts = [self.lead * self.trail * math.prod(b - a for a, b in shard_box(shape, self.grid, c))
+                       for c in self.coords]
         self.device = device
 
     def strategy(self, setting, heads_batch: int, dq: int, dv: int, itemsize: int) -> str:
@@ -158,6 +183,16 @@ class RingPlan:
 
     def coords_of(self, j: int) -> list[torch.Tensor]:
         return block_coords(self.shape, self.grid, self.coords[j], self.device)
+
+    def columns(self, j: int) -> torch.Tensor:
+        """Where shard ``j``'s keys sit among a mask's columns (the whole tokens first, then every position of
+        the image in one process's row-major order)."""
+        index = flat_index(self.shape, self.coords_of(j))
+        if self.lead * self.trail != 1:  # (lead, positions, trail) row-major, as the dim holds them
+            items = torch.arange(self.lead, device=index.device)[:, None, None] * math.prod(self.shape)
+            index = (items + index[None, :, None]) * self.trail + torch.arange(self.trail, device=index.device)
+            index = index.reshape(-1)
+        return self.prefix + index
 
     def pass_on(self, parts: list[torch.Tensor], src: int, widths: list[int]) -> list[torch.Tensor]:
         """Send ``parts`` (the block of shard ``src``) to the next shard; the previous shard's block (of
@@ -185,11 +220,12 @@ class _Online:
         m = s.amax(-1, keepdim=True)
         if self.top is None:
             self.top = m
-            p = torch.exp(s - m)
+            p = torch.exp(s - _shift(m))
             self.total, self.acc = p.sum(-1, keepdim=True), p @ vb
             return
         new = torch.maximum(self.top, m)
-        fix, p = torch.exp(self.top - new), torch.exp(s - new)
+        shift = _shift(new)
+        fix, p = torch.exp(self.top - shift), torch.exp(s - shift)
         self.total = self.total * fix + p.sum(-1, keepdim=True)
         self.acc = self.acc * fix + p @ vb
         self.top = new
@@ -203,17 +239,18 @@ def _in_order(stats: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and log-sum-exp of queries from their ``(max, sum, weighted sum)`` per block, combined in
     the order given: the same on every shard when every shard gives the blocks in one order."""
     top = functools.reduce(torch.maximum, [m for m, _, _ in stats])
+    shift = _shift(top)
     total = acc = None
     for m, t, a in stats:
-        fix = torch.exp(m - top)
+        fix = torch.exp(m - shift)
         total = t * fix if total is None else total + t * fix
         acc = a * fix if acc is None else acc + a * fix
-    return acc / total, top + torch.log(total)
+    return acc / total, shift + torch.log(total)
 
 
 def _block_stats(s: torch.Tensor, vb: torch.Tensor) -> tuple:
     m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
+    p = torch.exp(s - _shift(m))
     return m, p.sum(-1, keepdim=True), p @ vb
 
 
@@ -224,26 +261,32 @@ class _RingAttention(torch.autograd.Function):
     sees their keys once, here, besides the ring's blocks; their own queries' output is combined from
     per-block statistics in one fixed order (the whole tokens' block, then the shards in worker order), so
     every shard computes the same class token. Their key and value gradients stay here: each shard's part
-    (its own queries', and the whole queries' with this shard's part of their cotangent)."""
+    (its own queries', and the whole queries' with this shard's part of their cotangent).
+
+    ``mask``: None, or an additive bias ``(G, Nq, columns)`` over every key in one process's order (the whole
+    tokens', then the image's positions row-major: ``RingPlan.columns``); each block adds its own columns, and
+    its gradient is each block's score gradient put back in those columns."""
 
     @staticmethod
-    def forward(ctx, plan: RingPlan, q, k, v, *tables):
+    def forward(ctx, plan: RingPlan, q, k, v, mask, *tables):
         n, nq = plan.prefix, plan.whole_queries
         qc = plan.coords_of(plan.index)
         # contiguous: the whole tokens' products then run the same kernel on every shard, whoever's block
         ql, qp = q[:, nq:], q[:, :nq].contiguous()
+        ml, mp = (None, None) if mask is None else (mask[:, nq:], mask[:, :nq])
         kb, vb, src = k[:, n:].contiguous(), v[:, n:].contiguous(), plan.index
         local, whole = _Online(), {}
         if n:
             kp, vp = k[:, :n].contiguous(), v[:, :n].contiguous()
-            local.fold((ql @ kp.transpose(-1, -2)) * plan.scale, vp)
+            local.fold(_plus((ql @ kp.transpose(-1, -2)) * plan.scale, ml, slice(0, n)), vp)
             if nq:
-                whole[-1] = _block_stats((qp @ kp.transpose(-1, -2)) * plan.scale, vp)
+                whole[-1] = _block_stats(_plus((qp @ kp.transpose(-1, -2)) * plan.scale, mp, slice(0, n)), vp)
         for step in range(plan.size):
             kc = plan.coords_of(src)
-            local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape), vb)
+            cols = plan.columns(src) if mask is not None else None
+            local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape, _cols(ml, cols)), vb)
             if nq:
-                whole[src] = _block_stats((qp @ kb.transpose(-1, -2)) * plan.scale, vb)
+                whole[src] = _block_stats(_plus((qp @ kb.transpose(-1, -2)) * plan.scale, mp, cols), vb)
             if step < plan.size - 1:
                 kb, vb = plan.pass_on([kb, vb], src, [k.shape[-1], v.shape[-1]])
                 src = (src - 1) % plan.size
@@ -252,33 +295,37 @@ class _RingAttention(torch.autograd.Function):
             out_p, lse_p = _in_order([whole[j] for j in range(-1 if n else 0, plan.size)])
             out, lse = torch.cat([out_p, out], 1), torch.cat([lse_p, lse], 1)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, *tables)
+        ctx.save_for_backward(q, k, v, out, lse, mask, *tables)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         plan: RingPlan = ctx.plan
-        q, k, v, out, lse, *tables = ctx.saved_tensors
+        q, k, v, out, lse, mask, *tables = ctx.saved_tensors
         n = plan.prefix
         qc = plan.coords_of(plan.index)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         dtables = [torch.zeros_like(t) for t in tables]
+        dmask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask is not None else None
         kb, vb, src = k[:, n:], v[:, n:], plan.index
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
         if n:  # the whole tokens' keys, seen by every query here
             kp, vp = k[:, :n], v[:, :n]
-            p = torch.exp((q @ kp.transpose(-1, -2)) * plan.scale - lse)
+            p = torch.exp(_plus((q @ kp.transpose(-1, -2)) * plan.scale, mask, slice(0, n)) - lse)
             dvp = p.transpose(-1, -2) @ dout
             ds = p * (dout @ vp.transpose(-1, -2) - delta)
             dq = dq + (ds @ kp) * plan.scale
             dkp = (ds.transpose(-1, -2) @ q) * plan.scale
+            if dmask is not None:
+                dmask[..., :n] = ds
             del p, ds
         widths = [k.shape[-1], v.shape[-1], k.shape[-1], v.shape[-1]]
         for step in range(plan.size):
             kc = plan.coords_of(src)
-            p = torch.exp(_scores(q, kb, plan.scale, tables, qc, kc, plan.shape) - lse)
+            cols = plan.columns(src) if mask is not None else None
+            p = torch.exp(_scores(q, kb, plan.scale, tables, qc, kc, plan.shape, _cols(mask, cols)) - lse)
             dv = dv + p.transpose(-1, -2) @ dout
             ds = p * (dout @ vb.transpose(-1, -2) - delta)
             del p
@@ -286,6 +333,8 @@ class _RingAttention(torch.autograd.Function):
             dk = dk + (ds.transpose(-1, -2) @ q) * plan.scale
             for dt, a, b, m in zip(dtables, qc, kc, plan.shape):
                 dt.scatter_add_(-1, (b[None, :] - a[:, None] + (m - 1)).expand(ds.shape[0], -1, -1), ds)
+            if dmask is not None:
+                dmask[..., cols] = ds  # every column is one block's: set once
             del ds
             if step < plan.size - 1:  # the block moves on with its gradients so far
                 kb, vb, dk, dv = plan.pass_on([kb, vb, dk, dv], src, widths)
@@ -294,12 +343,22 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = plan.pass_on([dk, dv], src, widths[2:])
         if n:
             dk, dv = torch.cat([dkp, dk], 1), torch.cat([dvp, dv], 1)
-        return (None, dq, dk, dv, *dtables)
+        return (None, dq, dk, dv, dmask, *dtables)
 
 
-def _gathered(plan: RingPlan, q, k, v, tables):
+def _cols(mask, cols):
+    """The mask's columns ``cols`` (None without a mask)."""
+    return None if mask is None else mask[..., cols]
+
+
+def _plus(s, mask, cols):
+    """Scores plus the mask's columns ``cols`` (as they are without a mask)."""
+    return s if mask is None else s + mask[..., cols]
+
+
+def _gathered(plan: RingPlan, q, k, v, tables, mask=None):
     """Every shard's keys and values gathered (differentiably), then plain attention; whole tokens' keys (a
-    class token's, the same on every shard) in front, once."""
+    class token's, the same on every shard) in front, once; the mask's columns in that order."""
     n = plan.prefix
     kv = torch.cat([k[:, n:], v[:, n:]], -1)
     parts = plan.ctx.executor.allgather(kv, "keys and values of global attention",
@@ -309,18 +368,24 @@ def _gathered(plan: RingPlan, q, k, v, tables):
     if n:
         ks, vs = torch.cat([k[:, :n], ks], 1), torch.cat([v[:, :n], vs], 1)
     kc = [torch.cat(c) for c in zip(*(plan.coords_of(j) for j in range(plan.size)))]
-    s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape)
+    if mask is not None:
+        cols = torch.cat([torch.arange(n, device=mask.device)] + [plan.columns(j) for j in range(plan.size)])
+        mask = mask[..., cols]
+    s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape, mask)
     return torch.softmax(s, -1) @ vs
 
 
-def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None, setting=None) -> torch.Tensor:
-    """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys;
-    ``strategy`` None: chosen under ``setting`` (``use``'s, which the rules read off the mode), ring without."""
+def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None, setting=None,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(scale q kᵀ + bias + mask) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys;
+    ``mask``: None or an additive ``(G, Nq, columns)`` over every key in one process's order
+    (``RingPlan.columns``); ``strategy`` None: chosen under ``setting`` (``use``'s, which the rules read off
+    the mode), ring without."""
     if strategy is None:
         strategy = plan.strategy(setting, q.shape[0], q.shape[-1], v.shape[-1], q.element_size())
     if strategy == "gathered" or not plan.ctx.executor.ring_passes:  # the rpc transport: gathered (ring_in_backward)
-        return _gathered(plan, q, k, v, tables)
-    return _RingAttention.apply(plan, q, k, v, *tables)
+        return _gathered(plan, q, k, v, tables, mask)
+    return _RingAttention.apply(plan, q, k, v, mask, *tables)
 
 
 # -- a map's attention: timm BottleneckAttn ---------------------------------------------------------
@@ -386,8 +451,10 @@ def _attend_map_rule(mode: RuleContext, func, args, kwargs):
     return mark(out, shape)
 
 
-FIX = ("Global attention is split for timm's BottleneckAttn and for F.scaled_dot_product_attention over an "
-       "image's flattened positions without a mask, causal flag or dropout")
+FIX = ("Global attention is split for timm's BottleneckAttn and for F.scaled_dot_product_attention whose sequence "
+       "dim (-2) holds an image's flattened positions (x.flatten(2).transpose(1, 2) or x.reshape(N, C, -1)"
+       ".transpose(1, 2); a 1D map's own positions need no flattening) in the queries, or the keys and values, or "
+       "all three, with no dropout; a mask or bias may span every key in one process's order")
 
 
 # -- timm BottleneckAttn on a shard -------------------------------------------------------------------
@@ -420,74 +487,205 @@ def _bottleneck_forward(m, x):
 
 
 # -- F.scaled_dot_product_attention over flattened positions -------------------------------------------
+SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
 def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse, whole_queries: bool = False):
     """``F.scaled_dot_product_attention`` whose sequence dim (-2) holds an image's flattened positions, in q,
     k and v alike: ring attention, the output's positions where the queries' are. ``refuse(reason)``:
     the caller's refusal. ``whole_queries``: q is an ordinary tensor, the same on every shard (timm's
-    ``AttentionPoolLatent``): each shard computes the whole output from every block, in one fixed order."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    b = bind(names, args, kwargs)
+    ``AttentionPoolLatent``, a learned latent array): each shard computes the whole output from every block,
+    in one fixed order. A mask (boolean or additive; SAM's relative position bias) over every key in one
+    process's order: each block adds its own columns (``_ring_mask``)."""
+    b = bind(SDPA_NAMES, args, kwargs)
     q, k, v = b["query"], b["key"], b["value"]
-    if b.get("is_causal"):
-        raise refuse("it is causal: a causal mask follows the flattened order of the positions, which is each "
-                     "shard's own, not one process's (no ring or gather can reproduce it)")
-    if b.get("attn_mask") is not None:
-        raise refuse("it has an attention mask: a mask over an image's flattened positions is not split over "
-                     "shards (drop the mask, or hold the module whole with bigconv.hold_whole)")
+    _refuse_draws_and_groups(b, refuse)
+    if b.get("is_causal") and b.get("attn_mask") is not None:
+        raise refuse("it has both a mask and is_causal (torch refuses that too)")
+    if q.dim() < 3 or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
+        raise refuse("its query, key and value differ in their batch dims")
+    shape = positions(k)[0]
+    qshape = shape if whole_queries else positions(q)[0]
+    if tuple(qshape) != tuple(shape) or prefix(qshape) != prefix(shape):
+        raise refuse(f"its queries hold an image's positions {qshape!r} and its keys {shape!r}")
+    if qshape != shape and b.get("is_causal"):  # a pooled subset of the queries (Hiera's q_stride)
+        raise refuse("it is causal with queries other than the keys' positions")
+    lead = q.shape[:-2]
+    g = math.prod(lead)
+    scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape), q.shape[-2] if whole_queries else None,
+                    getattr(shape, "lead", 1), getattr(shape, "trail", 1))
+    mask = b.get("attn_mask")
+    if b.get("is_causal"):  # one process's causal mask, by global indices (the order of every key's column)
+        rows = (torch.arange(q.shape[-2], device=q.device) if whole_queries
+                else torch.cat([torch.arange(plan.prefix, device=q.device), plan.columns(plan.index)]))
+        mask = torch.arange(plan.prefix + sum(plan.counts), device=q.device)[None, :] <= rows[:, None]
+        if not whole_queries:  # rows of this shard's queries, as flattened positions
+            mark_positions(mask, shape, -2)
+    if mask is not None:
+        mask = _ring_mask(mode, mask, q, shape, qshape, whole_queries, refuse).reshape(g, q.shape[-2], -1)
+    out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]),
+                 setting=mode.attention_setting(), mask=mask)
+    out = out.reshape(*lead, *out.shape[-2:])
+    return out if whole_queries else mark_positions(out, qshape, -2)
+
+
+def _refuse_draws_and_groups(b: dict, refuse) -> None:
     if b.get("dropout_p", 0.0):
         raise refuse("its attention dropout would be drawn per shard (set dropout_p=0)")
     if b.get("enable_gqa"):
         raise refuse("grouped-query attention (enable_gqa) is not split")
-    if q.dim() < 3 or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
-        raise refuse("its query, key and value differ in their batch dims")
-    shape = positions(k)[0]
-    if isinstance(shape, tuple) and hasattr(shape, "lead") and shape.lead != 1:
-        raise refuse("its positions are windows merged with the batch")
-    lead = q.shape[:-2]
-    g = math.prod(lead)
-    scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape), q.shape[-2] if whole_queries else None)
-    out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]),
-                 setting=mode.attention_setting())
-    out = out.reshape(*lead, *out.shape[-2:])
-    return out if whole_queries else mark_positions(out, shape, -2)
+
+
+def _count(shape) -> int:
+    """How long a dim holding flattened positions of ``shape`` is in one process (whole items and tokens too)."""
+    return prefix(shape) + getattr(shape, "lead", 1) * getattr(shape, "trail", 1) * math.prod(shape)
+
+
+def _additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive one torch makes of it; an additive one as it is."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+
+
+def _ring_mask(mode: RuleContext, mask, q, shape, qshape, whole_queries: bool, refuse) -> torch.Tensor:
+    """The SDPA's ``attn_mask`` as this shard's additive rows (``q``'s, broadcast to its batch dims) over every
+    key in one process's order: rows that are this shard's queries' (flattened positions like them, or an
+    ordinary tensor with a row per query of the whole image, of which this shard's are cut), or one row for
+    all; columns one per key (the whole tokens', then the image's positions row-major), or one for all."""
+    keys, queries = _count(shape), _count(qshape)
+    mark = positions(mask)
+    rows = mask.shape[-2] if mask.dim() >= 2 else 1
+    if mark is not None:
+        if whole_queries or mark[0] != qshape or mark[1] % mask.dim() != mask.dim() - 2:
+            raise refuse("its mask holds an image's positions other than where its queries hold them")
+    elif rows != 1 and not whole_queries:
+        if rows != queries:
+            raise refuse(f"its mask has {rows} rows, neither one nor one per query of the whole image ({queries})")
+        from .positions import localize  # positions imports no rule of this module; here to keep the layers flat
+        mask = localize(mode, mask, qshape, -2)
+    if mask.shape[-1] not in (1, keys):
+        raise refuse(f"its mask has {mask.shape[-1]} columns, neither one nor one per key of the whole image "
+                     f"({keys}, in one process's order)")
+    mask = _additive(mask, q.dtype)
+    return mask.expand(*q.shape[:-1], keys)
+
+
+def _local_queries(mode: RuleContext, func, args, kwargs, refuse):
+    """This shard's queries (flattened positions) over keys and values every shard holds whole (a learned
+    latent array; cross-attention to a whole context): each query's row on its own, as one process computes
+    it; a mask with a row per query of the whole image cut to this shard's rows. The keys' and values'
+    gradients are each shard's part, summed over the shards as every whole tensor's are."""
+    b = bind(SDPA_NAMES, args, kwargs)
+    q = b["query"]
+    _refuse_draws_and_groups(b, refuse)
+    shape = positions(q)[0]
+    mask = b.get("attn_mask")
+    if b.pop("is_causal", False):  # one process's causal mask: the keys up to each query's global index
+        if mask is not None:
+            raise refuse("it has both a mask and is_causal (torch refuses that too)")
+        plan = RingPlan(mode, tuple(shape), 1.0, q.device, prefix(shape), None, getattr(shape, "lead", 1),
+                        getattr(shape, "trail", 1))
+        rows = torch.cat([torch.arange(plan.prefix, device=q.device), plan.columns(plan.index)])
+        b["attn_mask"] = mask = mark_positions(torch.arange(b["key"].shape[-2], device=q.device)[None, :]
+                                               <= rows[:, None], shape, -2)
+    if mask is not None and positions(mask) is None and mask.dim() >= 2 and mask.shape[-2] != 1:
+        from .positions import localize
+
+        b["attn_mask"] = localize(mode, mask, shape, -2)
+    elif mask is not None and positions(mask) is not None and positions(mask)[0] != shape:
+        raise refuse("its mask holds an image's positions other than its queries'")
+    out = func(**{n: b[n] for n in SDPA_NAMES if n in b})
+    return mark_positions(out, shape, -2)
 
 
 def over_positions(inner):
-    """The positions rule of ``F.scaled_dot_product_attention``: ``sdpa_over_positions`` when q, k and v hold
-    an image's flattened positions in their sequence dim (-2), else ``inner`` (window attention, whose
-    windows are a batch dim: ``bigconv.ops.windows``). ``bigconv.ops.table`` puts it in place of ``inner``."""
+    """The positions rule of ``F.scaled_dot_product_attention``: ``sdpa_over_positions`` when k and v hold an
+    image's flattened positions in their sequence dim (-2) (the queries too, or whole queries);
+    ``_local_queries`` when only the queries do; else ``inner`` (window attention, whose windows are a batch
+    dim: ``bigconv.ops.windows``). ``bigconv.ops.table`` puts it in place of ``inner``."""
 
     def rule(mode: RuleContext, func, args, kwargs):
         b = bind(("query", "key", "value"), args, kwargs)
-        marks = [positions(t) for t in (b.get("query"), b.get("key"), b.get("value"))]
         tensors = (b["query"], b["key"], b["value"])
-        if marks[0] is None and all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks[1:],
-                                                                                              tensors[1:])):
-            # Whole queries (a pooling head's latent queries, the same on every shard) over split tokens
-            if marks[1][0] != marks[2][0] or global_shape(tensors[0]) is not None:
-                raise mode.unsupported(func, "its keys and values come from images of different shapes, or its "
-                                       "queries are a sharded map", FIX)
-
-            def refuse_whole(reason):
-                return mode.unsupported(func, f"its whole queries attend over an image's flattened positions and "
-                                        f"{reason}", FIX)
-
-            return sdpa_over_positions(mode, func, args, kwargs, refuse_whole, whole_queries=True)
-        if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)):
-            if len({m[0] for m in marks}) != 1:
-                raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)
-
-            def refuse(reason):
-                return mode.unsupported(func, f"it attends over an image's flattened positions and {reason}", FIX)
-
-            return sdpa_over_positions(mode, func, args, kwargs, refuse)
-        return inner(mode, func, args, kwargs)
+        seq = [positions(t) is not None and positions(t)[1] % t.dim() == t.dim() - 2 for t in tensors]
+        if not any(seq):  # positions in a batch dim: window attention
+            return inner(mode, func, args, kwargs)
+        return sdpa_positions(mode, func, args, kwargs)
 
     return rule
 
 
-RULES: dict = {attend_map: _attend_map_rule}
+def sdpa_positions(mode: RuleContext, func, args, kwargs):
+    """SDPA with an image's flattened positions in the sequence dim (-2) of some of q, k, v (``over_positions``)."""
+    b = bind(("query", "key", "value"), args, kwargs)
+    tensors = (b["query"], b["key"], b["value"])
+    marks = [positions(t) for t in tensors]
+    seq = [m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)]
+    if any(m is not None and not s for m, s in zip(marks, seq)):
+        raise mode.unsupported(func, "its query, key and value hold an image's positions in different dims (some in "
+                               "the sequence dim, some in a batch dim)", FIX)
+    if any(global_shape(t) is not None for t in tensors):
+        raise mode.unsupported(func, "it joins flattened positions with a sharded map", FIX)
+    if seq[1] != seq[2]:
+        raise mode.unsupported(func, "only one of its key and value holds an image's positions (keys and values "
+                               "must both be split, or both whole)", FIX)
+    if len({(tuple(m[0]), prefix(m[0])) for m in marks if m is not None}) != 1 or (seq[1] and marks[1][0] != marks[2][0]):
+        raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)
+    if not seq[1]:  # split queries over whole keys and values
+
+        def refuse_local(reason):
+            return mode.unsupported(func, f"its queries are an image's flattened positions over whole keys and values, "
+                                    f"and {reason}", FIX)
+
+        return _local_queries(mode, func, args, kwargs, refuse_local)
+    if not seq[0]:  # whole queries (a pooling head's latents, the same on every shard) over split tokens
+
+        def refuse_whole(reason):
+            return mode.unsupported(func, f"its whole queries attend over an image's flattened positions and "
+                                    f"{reason}", FIX)
+
+        return sdpa_over_positions(mode, func, args, kwargs, refuse_whole, whole_queries=True)
+
+    def refuse(reason):
+        return mode.unsupported(func, f"it attends over an image's flattened positions and {reason}", FIX)
+
+    return sdpa_over_positions(mode, func, args, kwargs, refuse)
+
+
+# -- a 1D map's positions are its sequence ---------------------------------------------------------------
+def _sdpa_map(mode: RuleContext, func, args, kwargs):
+    """``F.scaled_dot_product_attention`` given sharded maps: on a 1D grid whose map holds its positions in the
+    sequence dim (-2; ``x.transpose(1, 2)`` of ``(N, C, L)``), a shard's positions are a run of the sequence in
+    one process's order, so they are flattened positions as they are: the rule of ``sdpa_positions``, the
+    output a map again. A map of more dims in the sequence dim would be attention along one axis: refused."""
+    b = bind(SDPA_NAMES, args, kwargs)
+    names = [n for n in ("query", "key", "value", "attn_mask") if global_shape(b.get(n)) is not None]
+    layouts = {tuple(mode.layout(b[n])) for n in names}
+    if mode.dims != 1 or layouts != {(-2,)}:
+        axes = "its sequence dim" if layouts <= {(-2,)} else "the sequence dim (-2) of each"
+        raise mode.unsupported(
+            func, f"it is given sharded {mode.dims}D maps whose spatial dims are not {axes} (attention along one "
+            "axis of a map, or over its channels)", "Flatten the positions into the sequence dim first: "
+            "x.flatten(2).transpose(1, 2) or x.reshape(N, C, -1).transpose(1, 2) of an (N, C, *spatial) map, "
+            "then heads by reshape/permute of the other dims")
+    shape = mode.one_shape(func, [b[n] for n in names])
+    for n in names:
+        b[n] = mark_positions(b[n].view_as(b[n]), shape, -2)
+    out = sdpa_positions(mode, func, (), {n: b[n] for n in SDPA_NAMES if n in b})
+    if isinstance(out, torch.Tensor) and positions(out) is not None:
+        out = mark(_unmark_positions(out), shape, (-2,))
+    return out
+
+
+def _unmark_positions(t: torch.Tensor) -> torch.Tensor:
+    t.__dict__.pop(POSITIONS_ATTR, None)
+    t.__dict__.pop(GATHER_ATTR, None)
+    return t
+
+
+RULES: dict = {attend_map: _attend_map_rule, F.scaled_dot_product_attention: _sdpa_map}
 WHOLE_RULES: dict = {}
-LAYOUT_AWARE: set = set()
+LAYOUT_AWARE: set = {F.scaled_dot_product_attention}  # a 1D map's positions in the sequence dim
 PROPERTY_RULES: dict = {}

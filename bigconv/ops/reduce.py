@@ -187,9 +187,9 @@ def _flatten(mode: RuleContext, func, args, kwargs):
     if not set(spatial) & set(range(start, end + 1)):
         out_dims = [p - (end - start) if p > end else p for p in spatial]
         return mode.tag_outputs(func(*args, **kwargs), shape, neg_dims(out_dims, x.dim() - (end - start)))
-    if mode.dims > 1 and start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
-        # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions); reductions over
-        # them are global, anything else gathers them whole as below
+    if start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
+        # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions; of a 1D map, its positions as
+        # they are); reductions over them and attention are global, anything else gathers them whole as below
         return mark_positions(x.reshape(*x.shape[:start], -1), shape, -1, gather=True)
     if end != x.dim() - 1 or mode.layout(x) != trailing(mode.dims):
         raise mode.unsupported(func, "it merges spatial dims into others but keeps some after them",
