@@ -272,6 +272,19 @@ def _expand(mode: RuleContext, func, args, kwargs):
     return mark_positions(x.expand(*sizes), shape, dim % x.dim() - x.dim())
 
 
+def _expand_as(mode: RuleContext, func, args, kwargs):
+    """``t.expand_as(x)`` to a tensor of flattened positions: a token (size 1 along them, smp DPT's readout of the
+    class token beside every patch token) repeated at this shard's positions; or positions to their own shape."""
+    t, other = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    mark = positions(other)
+    if mark is None or (positions(t) is not None and positions(t) != mark):
+        raise refuse(mode, func, "it expands to a tensor that does not hold the same positions")
+    k = mark[1] % other.dim()
+    if positions(t) is None and t.dim() >= other.dim() - k and t.shape[k - other.dim()] != 1:
+        raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
+    return mark_positions(t.expand(other.shape), mark[0], mark[1] % other.dim() - other.dim())
+
+
 def _shape_property(mode: RuleContext, func, args, kwargs):
     return global_size(args[0])
 
@@ -455,6 +468,7 @@ def _register() -> None:
         _flatten: (torch.flatten, torch.Tensor.flatten),
         _pad: (F.pad,),
         _expand: (torch.Tensor.expand,),
+        _expand_as: (torch.Tensor.expand_as,),
         _size: (torch.Tensor.size,),
         _query: tuple(getattr(torch.Tensor, n) for n in ("dim", "ndimension", "element_size", "is_floating_point",
                                                           "is_contiguous", "get_device", "__format__", "__repr__")),
