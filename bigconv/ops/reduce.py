@@ -179,6 +179,48 @@ def _linear(mode: RuleContext, func, args, kwargs):
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
 
 
+def _einsum(mode: RuleContext, func, args, kwargs):
+    """``torch.einsum`` of sharded maps: per position when the output keeps every spatial letter (SAM's relative
+    position terms, ``einsum("bhwc,hkc->bhwk", q_map, Rh)``: an ordinary operand indexed by a spatial letter spans
+    the whole image along it, and this shard's part of it is used); a global sum when it keeps none."""
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        raise mode.unsupported(func, "its equation is not explicit", "Write the equation with '->' and no '...'")
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    sharded = [(term, t) for term, t in zip(terms, operands) if global_shape(t) is not None]
+    shape = mode.one_shape(func, [t for _, t in sharded])
+    axes = {tuple(term[d] for d in mode.layout(t)) for term, t in sharded}
+    if len(axes) != 1:
+        raise mode.unsupported(func, "its sharded operands hold the spatial dims under different letters",
+                               "Give every sharded operand the same letter for each spatial dim")
+    letters = axes.pop()
+    local = []
+    for term, t in zip(terms, operands):
+        if global_shape(t) is None and any(c in term for c in letters):
+            dims = [term.index(c) - len(term) for c in letters if c in term]
+            sizes = [shape[letters.index(c)] for c in letters if c in term]
+            if any(t.shape[d] != n for d, n in zip(dims, sizes)):
+                raise mode.unsupported(func, f"an unsharded operand of shape {tuple(t.shape)} ('{term}') runs along a "
+                                       "spatial letter but not over the whole image", "Give it the image's size there")
+            box = shard_box(shape, mode.executor.grid, mode.executor.coord)
+            index = [slice(None)] * t.dim()
+            for c in letters:
+                if c in term:
+                    index[term.index(c)] = slice(*box[letters.index(c)])
+            t = t[tuple(index)]
+        local.append(t)
+    out = func(equation, *local)
+    kept = [c for c in letters if c in output]
+    if not kept:
+        return mode.executor.allsum(out)
+    if len(kept) != len(letters):
+        raise mode.unsupported(func, "it sums over some spatial letters but not all", _SOME_SPATIAL_FIX)
+    return mark(out, shape, tuple(output.index(c) - len(output) for c in letters))
+
+
 def _flatten(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "start_dim", "end_dim"), args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
@@ -225,6 +267,7 @@ def _register() -> None:
         _linear: (F.linear,),
         _flatten: (torch.flatten, torch.Tensor.flatten),
         _elementwise_loss: (F.mse_loss, F.l1_loss),
+        _einsum: (torch.einsum,),
     }
     for rule, funcs in table.items():
         for f in funcs:

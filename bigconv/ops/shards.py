@@ -115,11 +115,15 @@ class ModulePath:
     @staticmethod
     @torch.compiler.disable  # reads tensors' __dict__, which dynamo cannot trace (as ShardMode's handler)
     def _check_output(module, inputs, out) -> None:
-        if any(positions(t) is not None for t in tree_flatten(out)[0]):
+        found = [where for where, t in _leaves(out, "out") if positions(t) is not None]
+        if found:
             raise UnsupportedOperation(
-                "bigconv cannot return, from the model's forward, positions flattened from a sharded image "
-                "(each shard holds its own, in its own order). Reduce over them (softmax, sum, mean, amax, "
-                "matmul/einsum contracting them) inside forward, or return the unflattened map")
+                f"bigconv cannot return, from the model's forward, positions flattened from a sharded image "
+                f"({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}: each shard holds its own, in its own "
+                "order). Reduce over them (softmax, sum, mean, amax, matmul/einsum contracting them) inside forward, "
+                "or return the unflattened map (tokens.transpose(1, 2).reshape(N, C, *grid)); to drop outputs "
+                "you do not train on (MONAI ViTAutoEnc's hidden states), wrap the model in a module whose forward "
+                "returns the others (model(x)[0])")
 
     # Hooks must return None: a forward hook's return value replaces the module's output.
     def _enter(self, label: str, module: torch.nn.Module) -> None:
@@ -144,6 +148,15 @@ class ModulePath:
     @property
     def current(self) -> str:
         return f"module {self.stack[-1]}" if self.stack else "the model's forward"
+
+
+def _leaves(tree: Any, path: str) -> list[tuple[str, Any]]:
+    """The leaves of a model's output with their places in it (``out[1][0]``, ``out['aux']``)."""
+    if isinstance(tree, (list, tuple)):
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{path}[{i}]")]
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
+    return [(path, tree)]
 
 
 def op_name(func: Callable) -> str:

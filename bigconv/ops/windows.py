@@ -119,9 +119,11 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
             out_spatial[axes[0]] = outs[0]
             out_shape[axes[0]] = target[outs[0]]
             merges[axes[0]] = size[ins[1]]
-        elif (len(outs) == 1 and len(axes) == mode.dims and axes == list(range(mode.dims))
-              and list(ins)[-mode.dims:] == spatial):  # (lead, nH, nW) -> lead * nH * nW: windows as positions
-            flat = (outs[0], math.prod(size[p] for p in ins if p not in axis_of))
+        elif (len(axes) == mode.dims and axes == list(range(mode.dims)) and list(ins)[-mode.dims:] == spatial
+              and target[outs[-1]] % math.prod(shape) == 0):
+            # (lead, nH, nW) -> lead * nH * nW: windows as positions; with outer factors of the lead split off in
+            # dims of their own (Hiera's Unroll: (B * 64, nH, nW) -> (B, 64 * nH * nW))
+            flat = (outs[-1], target[outs[-1]] // math.prod(shape))
         else:
             return None
     if flat is not None:
@@ -366,24 +368,29 @@ def _factory(mode: RuleContext, func, args, kwargs):
 
 
 def _getitem(mode: RuleContext, func, args, kwargs):
-    """``qkv[0]``: ints and slices of dims other than the positions."""
+    """``qkv[0]``: ints and slices of dims other than the positions, and new dims (``None``: SAM's
+    ``rel_h[:, :, :, :, None]``)."""
     x, index = args[0], args[1]
     shape, pos = _pos(x)
     index = index if isinstance(index, tuple) else (index,)
+    used = sum(i is not None for i in index) - (Ellipsis in index)
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (x.dim() - len(index) + 1) + index[at + 1:]
-    index = index + (slice(None),) * (x.dim() - len(index))
-    out_pos, removed = None, 0
-    for d, i in enumerate(index):
-        if i is None or not isinstance(i, (int, slice)):
-            raise _refuse(mode, func, "it indexes with tensors or new dims")
+        index = index[:at] + (slice(None),) * (x.dim() - used) + index[at + 1:]
+    index = index + (slice(None),) * (x.dim() - sum(i is not None for i in index))
+    out_pos, out_dim, d = None, 0, 0
+    for i in index:
+        if i is None:
+            out_dim += 1
+            continue
+        if not isinstance(i, (int, slice)):
+            raise _refuse(mode, func, "it indexes with tensors")
         if d == pos:
             if i != slice(None):
                 raise _refuse(mode, func, "it indexes the positions themselves")
-            out_pos = d - removed
-        elif isinstance(i, int):
-            removed += 1
+            out_pos = out_dim
+        out_dim += not isinstance(i, int)
+        d += 1
     out = func(*args, **kwargs)
     return mark_positions(out, shape, out_pos - out.dim())
 
