@@ -40,7 +40,7 @@ PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
 """Rules for tensor attributes (``x.shape``), by name."""
 LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 """Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
-_POSITIONS = dict(_merge_from((positions, windows, prefix), "POSITION_RULES"))
+_POSITIONS = dict(_merge_from((positions, windows, prefix, unfold), "POSITION_RULES"))
 # Indexing whole tokens in front of the positions (a ViT's class token: x[:, 0]); the rest, windows' rule.
 _POSITIONS[torch.Tensor.__getitem__] = prefix.getitem(_POSITIONS[torch.Tensor.__getitem__])
 # torch.cat along the positions: whole tokens in front (prefix); along another dim: windows' rule

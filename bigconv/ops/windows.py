@@ -415,8 +415,11 @@ def _unbind(mode: RuleContext, func, args, kwargs):
 def _per_item(mode: RuleContext, func, args, kwargs):
     """A convolution or pooling of windows held as its batch (HIPT's regions, ``(B * nW, C, r, r)``, through
     ViT-256's patch embedding): each item of the batch on its own, so per position; weights and bias whole."""
-    x = bind(("input",), args, kwargs)["input"]
+    b = bind(("input", "weight", "bias", "stride", "padding", "dilation"), args, kwargs)
+    x = b["input"]
     shape, pos = _pos(x)
+    if pos != 0 and _pointwise_conv1d(func, b, x, pos):  # a 1x1 Conv1d along the positions: per position too
+        return _mark_all(func(*args, **kwargs), shape, pos)
     if pos != 0:
         raise _refuse(mode, func, "the positions are not its batch dim (it would act along them)")
     if any(positions(t) is not None for t in tree_flatten((args[1:], kwargs))[0] if t is not x):
@@ -452,6 +455,16 @@ def _cat(mode: RuleContext, func, args, kwargs):
             t = local_windows(mode, t, shape, pos)
         parts.append(t)
     return mark_positions(func(parts, dim), shape, pos - n)
+
+
+def _pointwise_conv1d(func, b: dict, x: torch.Tensor, pos: int) -> bool:
+    """A ``Conv1d`` of kernel 1, stride 1, no padding over ``(N, C, positions)``: a matrix at each position."""
+    import torch.nn.functional as F
+
+    weight = b.get("weight")
+    return (func is F.conv1d and x.dim() == 3 and pos == 2 and isinstance(weight, torch.Tensor)
+            and positions(weight) is None and weight.shape[-1] == 1 and b.get("stride", 1) in (1, (1,))
+            and b.get("padding", 0) in (0, (0,), "valid", "same"))
 
 
 def _mark_all(out, shape, pos: int):
