@@ -10,8 +10,8 @@ column by its global index, ``RingPlan.columns``). Each model is trained on a Wo
 SGD-momentum steps, each within 1e-9 of its own size). The op itself (``attend`` with a mask) is checked against
 an explicit softmax(QKᵀ·s + M)V on uneven shards, its gradients too, the mask's included. Planted errors (a mask
 column off by one, a ring pass that keeps its own block) must fail. A failure points at
-``bigconv.ops.global_attention`` (``_RingAttention``'s mask, ``sdpa_positions``, ``_sdpa_map``,
-``_local_queries``) or at ``bigconv.ops.positions._back_to_map``.
+``bigconv.ops.global_attention`` (``_RingAttention``'s mask), ``bigconv.ops.sdpa`` (``sdpa_positions``,
+``_sdpa_map``, ``_local_queries``) or at ``bigconv.ops.positions._back_to_map``.
 """
 
 from __future__ import annotations

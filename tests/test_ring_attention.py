@@ -11,7 +11,7 @@ position embedding on an uneven 2x2 grid, ring and gathered; ``F.scaled_dot_prod
 over an image's flattened positions; causal and masked calls refused before remote work. timm
 ``botnet26t_256`` itself is a ``zoo`` case. A failure points at ``_RingAttention`` (its running
 maximum, the backward's passes), at ``_bias`` (global coordinates of a block) or at the routing
-(``install``, ``over_positions``).
+(``install``, ``bigconv.ops.sdpa.over_positions``).
 """
 
 from __future__ import annotations
