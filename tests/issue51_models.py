@@ -90,7 +90,8 @@ class SequenceVariants(nn.Module):
             o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=keep)
         else:
             i = torch.arange(n, dtype=x.dtype)
-            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=-(i[:, None] - i[None, :]).abs() / 4)
+            bias = -(i[:, None] - i[None, :]).abs() / 4
+            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=bias)
         return self.dense(o.transpose(1, 2).reshape(b, n, c).transpose(1, 2).reshape(hmap.shape))
 
 

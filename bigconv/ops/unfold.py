@@ -108,8 +108,8 @@ def _im2col(mode: RuleContext, func, args, kwargs):
 
 
 def _fold(mode: RuleContext, func, args, kwargs):
-    """``F.fold`` (col2im, ``nn.Fold``) of columns that are an image's flattened positions, one per block (``F.unfold``'s
-    own, or a map's ``flatten(2)``): the inverse of unfold, each output summing every block that covers it. A block
+    """``F.fold`` (col2im, ``nn.Fold``) of columns that are an image's flattened positions, one per block
+    (``F.unfold``'s own, or a map's ``flatten(2)``): the inverse of unfold, each output summing every block that covers it. A block
     writes like an input of a transposed convolution of the same window (``TransposedWindow``): each shard gathers
     the columns of every block that reaches its outputs from their owners (``region_op``), folds them and keeps its
     own part, so overlaps are summed across shards as one process sums them; backward returns each column's
