@@ -127,3 +127,39 @@ def test_planted_einsum_with_another_shards_table_rows_fails(monkeypatch):
     monkeypatch.setattr(reduce, "shard_box", lambda shape, grid, coord: real(
         shape, grid, tuple(g - 1 - c for c, g in zip(coord, grid))))
     assert relative_error(forward_on_threads(model, x, (2, 2)), want) > 1e-6
+
+
+class TokenMixer(nn.Module):
+    """An attention-like module given an image's tokens that does what no rule splits (a running sum over them)."""
+
+    def forward(self, t):
+        return torch.cumsum(t, 1) / t.shape[1]
+
+
+class TokenBlock(nn.Module):
+    """A block given the map, flattening it into tokens for its mixer (SAM's Block around its Attention)."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.conv, self.attn = nn.Conv2d(1, c, 3, padding=1), TokenMixer()
+
+    def forward(self, x):
+        h = self.conv(x)
+        b, c = h.shape[:2]
+        t = self.attn(h.reshape(b, c, -1).transpose(1, 2))
+        return h + t.transpose(1, 2).reshape(h.shape)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(300)
+def test_refusal_inside_a_module_given_tokens_names_the_block_that_holds(world):
+    """The module that refuses (an attention given tokens) cannot be held whole (its inputs are flattened positions):
+    the refusal names the innermost module around it given maps, and holding that one trains exactly."""
+    model = nn.Sequential(TokenBlock(), nn.Conv2d(4, 3, 1)).double()
+    x = torch.randn(2, 1, 9, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        bigconv.parallelize(model, world, grid=(2, 2)).plan(x)
+    assert "hold_whole(model, TokenBlock)" in str(info.value), info.value
+    torch.manual_seed(0)
+    held = bigconv.hold_whole(nn.Sequential(TokenBlock(), nn.Conv2d(4, 3, 1)).double(), TokenBlock)
+    assert_exact(verdict(held, world, x, torch.randint(0, 3, (2, 9, 7), generator=torch.Generator().manual_seed(2))))

@@ -106,9 +106,12 @@ class ModulePath:
     def __init__(self, model: torch.nn.Module) -> None:
         self.stack: list[str] = []
         self.settings: list = []
+        self.flat: list[bool] = []
+        """Per running module: whether it was given an image's flattened positions (``hold_whole`` refuses
+        to hold such a module: the module that flattened them is the one to hold)."""
         for name, module in model.named_modules():
             label = f"'{name or '<root>'}' ({type(module).__name__})"
-            module.register_forward_pre_hook(lambda m, _, label=label: self._enter(label, m))
+            module.register_forward_pre_hook(lambda m, args, label=label: self._enter(label, m, args))
             module.register_forward_hook(lambda *_: self._leave())
         model.register_forward_hook(self._check_output)
 
@@ -126,19 +129,23 @@ class ModulePath:
                 "returns the others (model(x)[0])")
 
     # Hooks must return None: a forward hook's return value replaces the module's output.
-    def _enter(self, label: str, module: torch.nn.Module) -> None:
+    @torch.compiler.disable  # reads tensors' __dict__
+    def _enter(self, label: str, module: torch.nn.Module, args=()) -> None:
         self.stack.append(label)
         self.settings.append(getattr(module, ATTENTION_ATTR, None))
+        self.flat.append(any(positions(t) is not None for t in tree_flatten(args)[0]))
 
     def _leave(self) -> None:
         if self.stack:
             self.stack.pop()
             self.settings.pop()
+            self.flat.pop()
 
     def clear(self) -> None:
         """Forget a forward that raised (its modules never left)."""
         self.stack.clear()
         self.settings.clear()
+        self.flat.clear()
 
     @property
     def attention(self):
