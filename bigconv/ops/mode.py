@@ -91,6 +91,11 @@ class ShardMode(TorchFunctionMode):
     def where(self) -> str:
         return self.path.current if self.path else "the model's forward"
 
+    def note_attention(self, note) -> None:
+        """Record what an attention rule did, under the running modules (``ModulePath.note``)."""
+        if self.path is not None:
+            self.path.note(note)
+
     def attention_setting(self):
         """How global attention runs here: the innermost running module's ``(strategy, memory)``
         (``bigconv.ops.global_attention.use``), or None (ring passes)."""

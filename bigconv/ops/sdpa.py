@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from .context import RuleContext
 from .global_attention import FIX, RingPlan, attend
 from .positions import localize
-from .shards import GATHER_ATTR, POSITIONS_ATTR, bind, global_shape, mark, mark_positions, positions, prefix
+from .shards import (
+    GATHER_ATTR, POSITIONS_ATTR, AttentionNote, bind, global_shape, mark, mark_positions, positions, prefix,
+)
 
 
 # -- F.scaled_dot_product_attention over flattened positions -------------------------------------------
@@ -62,8 +64,11 @@ def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse, whole_que
             mark_positions(mask, shape, -2)
     if mask is not None:
         mask = _ring_mask(mode, mask, q, shape, qshape, whole_queries, refuse).reshape(g, q.shape[-2], -1)
+    strategy = plan.strategy(mode.attention_setting(), g, q.shape[-1], v.shape[-1], q.element_size())
+    strategy = strategy if mode.executor.ring_passes else "gathered"  # as attend decides
+    mode.note_attention(AttentionNote(strategy, sum(plan.counts), plan.prefix, whole_queries))
     out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]),
-                 setting=mode.attention_setting(), mask=mask)
+                 strategy=strategy, mask=mask)
     out = out.reshape(*lead, *out.shape[-2:])
     return out if whole_queries else mark_positions(out, qshape, -2)
 
@@ -132,6 +137,7 @@ def _local_queries(mode: RuleContext, func, args, kwargs, refuse):
     elif mask is not None and positions(mask) is not None and positions(mask)[0] != shape:
         raise refuse("its mask holds an image's positions other than its queries'")
     out = func(**{n: b[n] for n in SDPA_NAMES if n in b})
+    mode.note_attention(AttentionNote("local"))
     return mark_positions(out, shape, -2)
 
 

@@ -8,7 +8,7 @@ coordinate. ``bigconv.ops.mode`` (the ``ShardMode``) dispatches calls on such te
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -100,6 +100,20 @@ ATTENTION_ATTR = "_bigconv_attention"
 ``(strategy, memory)``; the innermost module that has it decides."""
 
 
+class AttentionNote(NamedTuple):
+    """What an attention rule did for one call (``ModulePath.note``)."""
+
+    kind: str
+    """``ring`` or ``gathered`` (keys and values of every position), ``local`` (each worker's queries over whole
+    keys and values), ``windows`` (each worker its own windows)."""
+    positions: int = 0
+    """How many keys' positions the image has (whole items beside them counted)."""
+    whole: int = 0
+    """Whole tokens in front (class and register tokens)."""
+    whole_queries: bool = False
+    """Every query whole on every worker (a latent array, a pooling head's)."""
+
+
 class ModulePath:
     """Tracks which module is running, so errors can name it, and the attention setting around it."""
 
@@ -109,6 +123,9 @@ class ModulePath:
         self.flat: list[bool] = []
         """Per running module: whether it was given an image's flattened positions (``hold_whole`` refuses
         to hold such a module: the module that flattened them is the one to hold)."""
+        self.notes: list[tuple[tuple[str, ...], AttentionNote]] = []
+        """What the attention rules did in this forward, with the modules running then (``bigconv.check``
+        names each attention module's strategy from them); cleared when the outermost module returns."""
         for name, module in model.named_modules():
             label = f"'{name or '<root>'}' ({type(module).__name__})"
             module.register_forward_pre_hook(lambda m, args, label=label: self._enter(label, m, args))
@@ -140,12 +157,19 @@ class ModulePath:
             self.stack.pop()
             self.settings.pop()
             self.flat.pop()
+        if not self.stack:
+            self.notes.clear()
+
+    def note(self, item: "AttentionNote") -> None:
+        """Record what an attention rule did, under the modules running now."""
+        self.notes.append((tuple(self.stack), item))
 
     def clear(self) -> None:
         """Forget a forward that raised (its modules never left)."""
         self.stack.clear()
         self.settings.clear()
         self.flat.clear()
+        self.notes.clear()
 
     @property
     def attention(self):

@@ -34,7 +34,9 @@ PROPERTY_RULES: dict = {}
 """Its rules for tensor attributes, by name."""
 
 
-def _conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
+def conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
+    """One ``Window`` per dim of a convolution (``'same'``, ``'valid'`` or numbers): the run's and
+    ``bigconv.check``'s."""
     n = len(kernel)
     expand = lambda v: [v] * n if isinstance(v, int) else list(v)  # noqa: E731
     stride, dilation = expand(stride), expand(dilation)
@@ -57,7 +59,7 @@ def _conv(mode: RuleContext, func, args, kwargs):
     if shape is None or global_shape(weight) is not None:
         raise mode.unsupported(func, "its weight is sharded", "Convolve a sharded input with an ordinary weight.")
     stride, dilation, groups = b.get("stride", 1), b.get("dilation", 1), b.get("groups", 1)
-    windows = _conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
+    windows = conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
     if len(windows) != mode.dims:
         raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid",
                                "Use a grid with one axis per spatial dim.")

@@ -39,6 +39,7 @@ from .context import RuleContext
 from .dims import neg_dims, nonneg_dims
 from .shards import (
     WHOLE_WINDOWS_ATTR,
+    AttentionNote,
     WindowGrid,
     bind,
     global_shape,
@@ -494,6 +495,7 @@ def _sdpa(mode: RuleContext, func, args, kwargs):
     if isinstance(mask, torch.Tensor) and positions(mask) is None and mask.dim() >= -dim and mask.shape[dim] != 1:
         b["attn_mask"] = local_windows(mode, mask, shape, dim)
     out = func(**{("query" if n == "query" else n): b[n] for n in names if n in b})
+    mode.note_attention(AttentionNote("windows"))
     return mark_positions(out, shape, dim)
 
 
