@@ -214,3 +214,42 @@ class GlobalOrder(nn.Module):
         cols = self.cols(F.unfold(g, 3, padding=1, stride=2))
         folded = F.fold(cols, g.shape[-2:], 3, padding=1, stride=2)
         return self.head(torch.cat([folded, torch.fliplr(g)], 1))
+
+
+# -- what bigconv.check reports of them ---------------------------------------------------------------------
+class EcaGate(nn.Module):
+    """ECA's channel gate: a Conv1d with 'same' padding across the pooled channels of a 2D map."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv, self.gate, self.head = nn.Conv2d(3, c, 3, padding="same"), nn.Conv1d(1, 1, 3, padding="same"), \
+            nn.Conv2d(c, 3, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        w = torch.sigmoid(self.gate(h.mean((2, 3)).unsqueeze(1))).transpose(1, 2).unsqueeze(-1)
+        return self.head(h * w)
+
+
+class FlatAttention(nn.Module):
+    """FastViT's global attention: a map in, its positions flattened inside (flatten(2)), SDPA, the map back out."""
+
+    def __init__(self, c: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, c // heads
+        self.qkv, self.proj = nn.Linear(c, 3 * c), nn.Linear(c, c)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(-2, -1)
+        q, k, v = self.qkv(t).reshape(b, h * w, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, h * w, c)
+        return self.proj(o).transpose(-2, -1).reshape(b, c, h, w)
+
+
+def eca_net() -> nn.Module:
+    return EcaGate()
+
+
+def fastvit_like() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), FlatAttention(), nn.Conv2d(8, 3, 1))
