@@ -53,6 +53,8 @@ from .ops.shards import (
     trail, tree_flatten,
 )
 from .ops import global_attention
+from .ops.mode import active_mode
+from .ops.window import conv_windows
 from .ops.whole import HOLD_ATTR
 from .planning import Planner
 from .runtime.world import WORKER_ENV
@@ -91,22 +93,24 @@ def _ntuple(value, n: int) -> tuple:
 
 
 def windows(module: nn.Module, n: int) -> list | None:
-    """The per-dim receptive-field arithmetic of a windowed layer; None for any other."""
+    """The per-dim receptive-field arithmetic of a windowed layer over the grid's ``n`` spatial dims; None for
+    any other (a Conv1d across the channels of a 2D model: ECA's gate). Convolutions' windows are the run's
+    own (``bigconv.ops.window.conv_windows``: 'same' padding computed once)."""
     if not isinstance(module, WINDOWED):
+        return None
+    rank = len(module.kernel_size) if isinstance(module.kernel_size, (tuple, list)) else n
+    if rank != n:
         return None
     k, s = _ntuple(module.kernel_size, n), _ntuple(module.stride or module.kernel_size, n)
     d = _ntuple(getattr(module, "dilation", 1), n)
     if isinstance(module, nn.modules.conv._ConvTransposeNd):
         p, op = _ntuple(module.padding, n), _ntuple(module.output_padding, n)
         return [TransposedWindow(k[i], s[i], d[i], p[i], op[i]) for i in range(n)]
-    pad = getattr(module, "padding", 0)
-    if isinstance(module, nn.modules.conv._ConvNd) and isinstance(pad, str):
-        total = [0 if pad == "valid" else d[i] * (k[i] - 1) for i in range(n)]
-        lo_hi = [(t // 2, t - t // 2) for t in total]
-    else:
-        lo_hi = [(p, p) for p in _ntuple(pad, n)]
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return conv_windows(k, s, module.padding, d)
+    p = _ntuple(getattr(module, "padding", 0), n)
     ceil = bool(getattr(module, "ceil_mode", False))
-    return [Window(k[i], s[i], d[i], lo_hi[i][0], lo_hi[i][1], ceil) for i in range(n)]
+    return [Window(k[i], s[i], d[i], p[i], p[i], ceil) for i in range(n)]
 
 
 def halo_width(window, n_in: int, n_out: int, parts: int) -> int:
@@ -131,11 +135,15 @@ def _bytes(n: int) -> str:
     return _mib(n) if n >= MiB else f"{n / 1024:,.0f} KiB"
 
 
-def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = (), setting=None) -> str:
+def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = (), setting=None, notes=()) -> str:
     """How the shards computed an attention module's call (``bigconv.ops.windows``, ``positions``, ``whole``);
-    ``setting``: the global attention setting that decides for it (``global_attention.setting_in``)."""
+    ``setting``: the global attention setting that decides for it (``global_attention.setting_in``); ``notes``:
+    what the attention rules did inside the call (``ops.shards.AttentionNote``), which decide where given."""
     if getattr(module, HOLD_ATTR, False):
         return "held whole (bigconv.hold_whole): the whole map on every worker"
+    named = _from_notes(module, args, grid, setting, notes)
+    if named:
+        return named
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
     if any(WHOLE_WINDOWS_ATTR in t.__dict__ for t in outs):
@@ -167,6 +175,33 @@ def attention_strategy(module: nn.Module, args, out, grid: tuple[int, ...] = (),
     if any(global_shape(t) is not None or positions(t) is not None for t in outs):
         return "split: each worker its own windows (no keys from other workers)"
     return "replicated: its input was already whole on every worker (tokens gathered before it, or a small map)"
+
+
+def _from_notes(module: nn.Module, args, grid: tuple[int, ...], setting, notes) -> str | None:
+    """The strategy the attention rules recorded for a call (the run's own choice, whatever the module's inputs
+    look like: FastViT's attention flattens its map inside; MaxViT's grid attention rings over grid cells)."""
+    kinds = {n.kind for n in notes}
+    ring = [n for n in notes if n.kind in ("ring", "gathered")]
+    if ring:
+        note, plural = ring[0], "s" if ring[0].whole > 1 else ""
+        if note.whole_queries:  # a pooling head's latent queries (timm's AttentionPoolLatent)
+            tokens = f" and {note.whole} whole token{plural}" if note.whole else ""
+            how = "passed round the workers one block at a time" if note.kind == "ring" else "gathered on every worker"
+            return (f"{note.kind}: whole latent queries over the keys and values of all {note.positions} "
+                    f"positions{tokens}, {how}")
+        tokens = (f", and {note.whole} whole token{plural} in front (class/register: on every worker, their keys "
+                  "seen once)") if note.whole else ""
+        ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        extra = tokens_attention(module, ins, grid, setting)[1]
+        if note.kind == "gathered":
+            held = f" ({_bytes(extra)} per worker for them and the scores)" if extra else ""
+            return f"gathered: keys and values of all {note.positions} positions on every worker{tokens}{held}"
+        held = f" (ring buffers and score tiles {_bytes(extra)} per worker)" if extra else ""
+        return (f"ring: keys and values of all {note.positions} positions passed round the workers, one block at a "
+                f"time{tokens}{held}")
+    if kinds == {"local"}:
+        return "split: each worker its own queries over whole keys and values (no keys from other workers)"
+    return None
 
 
 def _bottleneck_sizes(module: nn.Module, x: torch.Tensor, grid: tuple[int, ...]) -> tuple:
@@ -234,7 +269,10 @@ def layer_report(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...]
             def attn_hook(mod, args, out, name=name):
                 if threading.current_thread().name == "bigconv-dry-run-0":
                     setting = global_attention.setting_in(planner.meta, name)
-                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out, grid, setting)))
+                    mode, label = active_mode(), f"'{name or '<root>'}' ({type(mod).__name__})"
+                    notes = [n for stack, n in mode.path.notes if label in stack] if mode and mode.path else []
+                    attention.append((name, type(mod).__name__, attention_strategy(mod, args, out, grid, setting,
+                                                                                   notes)))
                     if attention_bytes is not None and args and global_attention.is_bottleneck(mod):
                         if global_shape(args[0]) is not None:
                             attention_bytes.append(global_attention_bytes(mod, args[0], grid, setting))

@@ -16,7 +16,7 @@ from bigconv.geometry.boxes import (
     Window, all_coords, balanced_bounds, choose_grid, coord_of, halo_plan, index_of, intersect, shard_box,
     validate_grid,
 )
-from bigconv.ops.window import _conv_windows
+from bigconv.ops.window import conv_windows
 
 
 @pytest.mark.parametrize("size,parts", [(10, 3), (7, 7), (100, 8), (5, 1)])
@@ -67,7 +67,7 @@ def _conv_cases():
 def test_window_matches_torch_conv(k, s, d, p):
     """Output size and every output's input window agree with F.conv1d, padding included."""
     n = 17
-    (w,) = _conv_windows((k,), s, p, d)
+    (w,) = conv_windows((k,), s, p, d)
     x = torch.arange(n, dtype=torch.float64).view(1, 1, n) + 1
     weight = torch.zeros(1, 1, k, dtype=torch.float64)
     out_size = F.conv1d(x, weight, stride=s, padding=p, dilation=d).shape[-1]

@@ -11,7 +11,7 @@ position embedding on an uneven 2x2 grid, ring and gathered; ``F.scaled_dot_prod
 over an image's flattened positions; causal and masked calls refused before remote work. timm
 ``botnet26t_256`` itself is a ``zoo`` case. A failure points at ``_RingAttention`` (its running
 maximum, the backward's passes), at ``_bias`` (global coordinates of a block) or at the routing
-(``install``, ``over_positions``).
+(``install``, ``bigconv.ops.sdpa.over_positions``).
 """
 
 from __future__ import annotations
@@ -167,11 +167,11 @@ class TokenAttention(nn.Module):
     """A map's positions as tokens (``reshape(b, c, -1)``, whose positions bigconv never gathers behind the
     user's back, unlike ``flatten``'s), one SDPA over all of them, pooled into a head."""
 
-    def __init__(self, c: int = 6, causal: bool = False, mask: bool = False) -> None:
+    def __init__(self, c: int = 6, causal: bool = False, mask: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv = nn.Conv2d(1, c, 3, padding=1)
         self.qkv, self.head = nn.Linear(c, 3 * c), nn.Linear(c, 3)
-        self.causal, self.mask = causal, mask
+        self.causal, self.mask, self.dropout = causal, mask, dropout
 
     def forward(self, x):
         h = torch.tanh(self.conv(x))
@@ -179,7 +179,7 @@ class TokenAttention(nn.Module):
         b, n, c = t.shape
         q, k, v = self.qkv(t).reshape(b, n, 3, 2, c // 2).permute(2, 0, 3, 1, 4).unbind(0)
         mask = torch.ones(n, n, dtype=torch.bool).tril() if self.mask else None
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, dropout_p=self.dropout)
         return self.head(o.transpose(1, 2).reshape(b, n, c).mean(1))
 
 
@@ -234,13 +234,22 @@ def test_sdpa_over_flattened_positions_exact(world, strategy):
 
 
 @pytest.mark.world(4)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["causal", "mask"])
+def test_causal_and_masked_attention_exact(world, kind):
+    """A causal flag and a boolean mask over one process's order of the flattened positions (row-major): every key's
+    column by its global index, so each shard's rows are one process's (they were refused before issue 51)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 1, 9, 7, generator=g, dtype=torch.float64)
+    model = TokenAttention(causal=kind == "causal", mask=kind == "mask").double()
+    assert_exact(_verdict(model, world, x, torch.tensor([1, 2])))
+
+
+@pytest.mark.world(4)
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,words", [
-    ("causal", ["scaled_dot_product_attention", "it is causal", "each shard's own"]),
-    ("mask", ["scaled_dot_product_attention", "attention mask", "hold_whole"]),
-])
-def test_causal_and_masked_attention_refused(refused_before_remote_work, kind, words):
-    refused_before_remote_work(TokenAttention(causal=kind == "causal", mask=kind == "mask"), words, shape=(2, 1, 8, 8))
+def test_attention_dropout_refused(refused_before_remote_work):
+    refused_before_remote_work(TokenAttention(dropout=0.1), ["scaled_dot_product_attention", "dropout",
+                                                            "dropout_p=0"], shape=(2, 1, 8, 8))
 
 
 @pytest.mark.world(4)

@@ -80,6 +80,18 @@ def zero_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+class FirstOutput(nn.Module):
+    """``model(x)[0]``: a model that returns its map beside tokens (MONAI's ViTAutoEnc: the map and every block's
+    tokens), as a user trains it, and as bigconv's refusal of the returned tokens says to wrap it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)[0]
+
+
 class OutOnly(nn.Module):
     """``model(x)["out"]``: torchvision's segmentation models return a dict of outputs."""
 
@@ -269,6 +281,12 @@ def _hipt() -> nn.Module:
     from hipt_models import hipt
 
     return hipt()
+
+
+def monai_vit_autoenc() -> nn.Module:
+    from monai.networks.nets import ViTAutoEnc
+    return FirstOutput(ViTAutoEnc(in_channels=3, img_size=32, patch_size=4, out_channels=NUM_CLASSES, deconv_chns=8,
+                                  hidden_size=32, mlp_dim=64, num_layers=2, num_heads=2, spatial_dims=2))
 
 
 def smp_model(arch: str, **kwargs) -> Callable[[], nn.Module]:
@@ -679,6 +697,33 @@ ZOO: list[ZooEntry] = [
        "grid gathered where its own class token joins, whole on every worker"),
     _e("timm/gcresnet33ts", "byobnet", timm_model("gcresnet33ts"), (2, 3, 64, 64), 2, (2, 1),
        note="GlobalContext attention (softmax over positions, matmul contracting them)"),
+]
+
+# -- issue 51: sequences' layouts in current backbones, ViTs at other sizes -----------------------------
+ZOO += [
+    _e("timm/vit_small_patch14_reg4_dinov2_dynamic", "vit", timm_model(
+        "vit_small_patch14_reg4_dinov2", img_size=56, depth=2, dynamic_img_size=True), (2, 3, 70, 84), 4, (2, 2),
+       note="DINOv2 with 4 registers built for 56 px (4x4 tokens), depth 2, run at 70x84 (5x6 tokens): the position "
+       "embedding resampled by bicubic with antialias (float32, timm's resample_abs_pos_embed) computed whole and cut "
+       "per shard; registers and class token whole; blocks' SDPA by ring passes"),
+    _e("timm/samvit_base_patch16", "sam", timm_model(
+        "samvit_base_patch16", img_size=80, embed_dim=64, depth=2, num_heads=2, window_size=3,
+        global_attn_indexes=(1,), neck_chans=16), (2, 3, 80, 80), 4, (2, 2),
+       note="SAM's image encoder, width 64, one windowed block (5x5 tokens padded to windows of 3) and one global "
+       "block (ring passes, its decomposed relative position bias a mask over every key in one process's order)"),
+    _e("timm/hiera_tiny_224", "hiera", timm_model(
+        "hiera_tiny_224", img_size=64, embed_dim=32, num_heads=1, stages=(1, 1, 1, 1)), (2, 3, 64, 64), 4, (2, 2),
+       note="Unroll's reorder into mask units (the offsets inside a unit in front of the units' positions), "
+       "mask-unit attention per window, q-pooled global attention by ring passes; width 32, one block a stage"),
+    _e("smp/DPT_tu-vit_small", "dpt", smp_model(
+        "DPT", encoder_name="tu-vit_small_patch16_224", encoder_depth=4, decoder_intermediate_channels=(8, 8, 8, 8),
+        decoder_fusion_channels=8, img_size=16, patch_size=4, embed_dim=16, num_heads=2, dynamic_img_size=True),
+       (2, 3, 32, 32), 4, (2, 2), dense=True,
+       note="DPT on a timm ViT (12 blocks, width 16) built for 16 px, run at 32: resampled position embedding, the "
+       "class token read out beside every patch token (expand_as), the reassembled maps"),
+    _e("monai/ViTAutoEnc", "vit", monai_vit_autoenc, (2, 3, 32, 32), 4, (2, 2), dense=True,
+       note="2D, hidden 32, 2 layers; wrapped to return its map (model(x)[0]): the block tokens it returns beside "
+       "it are refused, naming this wrapper"),
 ]
 
 BY_NAME = {e.name: e for e in ZOO}

@@ -27,7 +27,7 @@ class Resize:
 
     n_in: int
     n_out: int
-    mode: str  # "nearest", "nearest-exact" or "linear"
+    mode: str  # "nearest", "nearest-exact", "linear" or "cubic"
     align_corners: bool = False
     scale: float | None = None
     """The user's scale factor, when PyTorch uses it instead of ``n_in / n_out``."""
@@ -36,6 +36,8 @@ class Resize:
         o = np.arange(out[0], out[1])
         if self.mode in ("nearest", "nearest-exact"):
             return [(self._nearest(o).tolist(), None)]
+        if self.mode == "cubic":
+            return self._cubic(o)
         return self._linear(o)
 
     def _nearest(self, o: np.ndarray) -> np.ndarray:
@@ -60,6 +62,45 @@ class Resize:
         lam = np.clip(src - i0, 0.0, 1.0)
         i1 = i0 + (i0 < self.n_in - 1)
         return [(i0.tolist(), (1.0 - lam).tolist()), (i1.tolist(), lam.tolist())]
+
+
+    def _cubic(self, o: np.ndarray) -> Taps:
+        """Four taps per output, as PyTorch's CPU kernel (``HelperInterpCubic``): the source index unclamped
+        (``cubic=True``), its floor taken in float32 (``floorf``), the Keys kernel with ``A = -0.75``, and the
+        four inputs clamped to the image (a 2-position halo each side)."""
+        if self.align_corners:
+            scale = (self.n_in - 1) / (self.n_out - 1) if self.n_out > 1 else 0.0
+            src = scale * o
+        else:
+            scale = 1.0 / self.scale if self.scale else self.n_in / self.n_out
+            src = scale * (o + 0.5) - 0.5
+        i0 = np.floor(src.astype(np.float32)).astype(np.int64)
+        t = src - i0
+        a = -0.75
+
+        def near(x):  # |x| <= 1
+            return ((a + 2) * x - (a + 3)) * x * x + 1
+
+        def far(x):  # 1 < |x| < 2
+            return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+        weights = (far(t + 1), near(t), near(1 - t), far(2 - t))
+        return [(np.clip(i0 - 1 + k, 0, self.n_in - 1).tolist(), w.tolist()) for k, w in enumerate(weights)]
+
+
+@dataclass(frozen=True)
+class Flip:
+    """One dim of ``torch.flip``: output ``o`` is input ``n - 1 - o``. On shards, the shards' order reversed
+    and each part flipped: a shard's outputs read the mirror shard's inputs (itself at the middle)."""
+
+    n_in: int
+
+    @property
+    def n_out(self) -> int:
+        return self.n_in
+
+    def taps(self, out: tuple[int, int]) -> Taps:
+        return [((self.n_in - 1 - np.arange(out[0], out[1])).tolist(), None)]
 
 
 @dataclass(frozen=True)

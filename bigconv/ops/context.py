@@ -18,7 +18,7 @@ import torch
 
 from ..geometry.boxes import TransposedWindow, Window
 from ..geometry.index_maps import PadMap, Resize, Roll, Taps
-from .shards import UnsupportedOperation
+from .shards import AttentionNote, UnsupportedOperation
 
 Windows = Sequence[Window | TransposedWindow]
 """One window per spatial dim, in grid-axis order."""
@@ -98,6 +98,10 @@ class RuleContext(Protocol):
         ...
 
     def where(self) -> str: ...
+
+    def note_attention(self, note: AttentionNote) -> None:
+        """Record what an attention rule did (``shards.ModulePath.note``; ``bigconv.check`` reads it)."""
+        ...
 
     def attention_setting(self) -> tuple[str, int | None] | None:
         """The running module's global attention setting (``bigconv.ops.global_attention.use``), or None."""

@@ -26,12 +26,14 @@ the shards in worker order), so every shard computes the same value from the sam
 cotangents are each shard's part (summed over the shards, one process's), so their key and value
 gradients stay on each shard, as parts, and are never passed round the ring.
 
+A mask over every key (``attend``'s ``mask``): each block adds its own columns, a key's column its global
+index in one process's row-major order (``RingPlan.columns``), so a relative bias or a causal mask means on
+shards what it means in one process.
+
 Entry points: ``attend_map(q, k, v, heads, scale, rel)`` (a torch-function-dispatched call, so the
 ``ShardMode`` sends it to ``_attend_map_rule`` when ``q`` is sharded; one process runs it as it is),
-which ``install`` routes timm's ``BottleneckAttn`` to on a shard; and the positions rule for
-``F.scaled_dot_product_attention`` whose sequence dim holds an image's flattened positions
-(``x.flatten(2).transpose(1, 2)``). A causal or masked call is refused: the flattened order of a
-shard's positions is its own, so a causal mask over them has no meaning the shards share.
+which ``install`` routes timm's ``BottleneckAttn`` to on a shard; and ``attend``, which the rules of
+``F.scaled_dot_product_attention`` call (``bigconv.ops.sdpa``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..geometry.boxes import all_coords, index_of, shard_box
 from .context import RuleContext
-from .shards import ATTENTION_ATTR, bind, global_shape, mark, mark_positions, positions, prefix
+from .shards import ATTENTION_ATTR, bind, global_shape, mark
 
 STRATEGY_ATTR = ATTENTION_ATTR
 """Set on a module by ``use``: ``(strategy, memory)`` for the global attention inside it."""
@@ -125,29 +127,51 @@ def _bias(tables: Sequence[torch.Tensor], qc: list, kc: list, shape: Sequence[in
     return out
 
 
-def _scores(q, k, scale, tables, qc, kc, shape):
+def flat_index(shape: Sequence[int], coords: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The row-major index among all of an image's positions of those at per-axis ``coords`` (the order of
+    one process's ``x.reshape(..., -1)``)."""
+    index = torch.zeros_like(coords[0])
+    for c, n in zip(coords, shape):
+        index = index * n + c
+    return index
+
+
+def _scores(q, k, scale, tables, qc, kc, shape, mask=None):
+    """``scale q kᵀ`` plus the relative position bias and the mask's columns for these keys (``mask``: already
+    cut to them, additive)."""
     s = (q @ k.transpose(-1, -2)) * scale
     bias = _bias(tables, qc, kc, shape)
-    return s if bias is None else s + bias
+    s = s if bias is None else s + bias
+    return s if mask is None else s + mask
+
+
+def _shift(m: torch.Tensor) -> torch.Tensor:
+    """A running maximum usable as a shift: 0 where every score so far is masked (-inf), so exp(-inf - shift) is 0,
+    not nan, until a key is seen."""
+    return torch.where(m == -math.inf, torch.zeros_like(m), m)
 
 
 class RingPlan:
     """What a ring pass needs besides tensors: who holds which block, and their coordinates."""
 
     def __init__(self, ctx, shape: Sequence[int], scale: float, device, prefix: int = 0,
-                 whole_queries: int | None = None) -> None:
+                 whole_queries: int | None = None, lead: int = 1, trail: int = 1) -> None:
         """``ctx``: the mode (a ``RuleContext``), or anything with an ``executor``; ``prefix``: whole tokens
         (the same on every shard) in front of each shard's keys and values (``bigconv.ops.prefix``);
         ``whole_queries``: those in front of its queries (default ``prefix``; all of them for a pooling
-        head's latent queries over split tokens)."""
+        head's latent queries over split tokens); ``lead``, ``trail``: whole items around the positions in the
+        same dim (``shards.WindowGrid``: Hiera's tokens, the offsets inside its mask units in front), so that a
+        shard's block is ``lead x its positions x trail``, row-major."""
         self.ctx, self.shape, self.scale, self.prefix = ctx, tuple(shape), scale, int(prefix)
+        self.lead, self.trail = int(lead), int(trail)
         self.whole_queries = self.prefix if whole_queries is None else int(whole_queries)
         self.pooled = whole_queries is not None  # every query whole (a pooling head's latents): none local
         self.grid = tuple(ctx.executor.grid)
         self.coords = list(all_coords(self.grid))
         self.index = index_of(ctx.executor.coord, self.grid)
         self.size = len(self.coords)
-        self.counts = [math.prod(b - a for a, b in shard_box(shape, self.grid, c)) for c in self.coords]
+        self.counts = [self.lead * self.trail * math.prod(b - a for a, b in shard_box(shape, self.grid, c))
+                       for c in self.coords]
         self.device = device
 
     def strategy(self, setting, heads_batch: int, dq: int, dv: int, itemsize: int) -> str:
@@ -158,6 +182,16 @@ class RingPlan:
 
     def coords_of(self, j: int) -> list[torch.Tensor]:
         return block_coords(self.shape, self.grid, self.coords[j], self.device)
+
+    def columns(self, j: int) -> torch.Tensor:
+        """Where shard ``j``'s keys sit among a mask's columns (the whole tokens first, then every position of
+        the image in one process's row-major order)."""
+        index = flat_index(self.shape, self.coords_of(j))
+        if self.lead * self.trail != 1:  # (lead, positions, trail) row-major, as the dim holds them
+            items = torch.arange(self.lead, device=index.device)[:, None, None] * math.prod(self.shape)
+            index = (items + index[None, :, None]) * self.trail + torch.arange(self.trail, device=index.device)
+            index = index.reshape(-1)
+        return self.prefix + index
 
     def pass_on(self, parts: list[torch.Tensor], src: int, widths: list[int]) -> list[torch.Tensor]:
         """Send ``parts`` (the block of shard ``src``) to the next shard; the previous shard's block (of
@@ -185,11 +219,12 @@ class _Online:
         m = s.amax(-1, keepdim=True)
         if self.top is None:
             self.top = m
-            p = torch.exp(s - m)
+            p = torch.exp(s - _shift(m))
             self.total, self.acc = p.sum(-1, keepdim=True), p @ vb
             return
         new = torch.maximum(self.top, m)
-        fix, p = torch.exp(self.top - new), torch.exp(s - new)
+        shift = _shift(new)
+        fix, p = torch.exp(self.top - shift), torch.exp(s - shift)
         self.total = self.total * fix + p.sum(-1, keepdim=True)
         self.acc = self.acc * fix + p @ vb
         self.top = new
@@ -203,17 +238,18 @@ def _in_order(stats: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and log-sum-exp of queries from their ``(max, sum, weighted sum)`` per block, combined in
     the order given: the same on every shard when every shard gives the blocks in one order."""
     top = functools.reduce(torch.maximum, [m for m, _, _ in stats])
+    shift = _shift(top)
     total = acc = None
     for m, t, a in stats:
-        fix = torch.exp(m - top)
+        fix = torch.exp(m - shift)
         total = t * fix if total is None else total + t * fix
         acc = a * fix if acc is None else acc + a * fix
-    return acc / total, top + torch.log(total)
+    return acc / total, shift + torch.log(total)
 
 
 def _block_stats(s: torch.Tensor, vb: torch.Tensor) -> tuple:
     m = s.amax(-1, keepdim=True)
-    p = torch.exp(s - m)
+    p = torch.exp(s - _shift(m))
     return m, p.sum(-1, keepdim=True), p @ vb
 
 
@@ -224,26 +260,32 @@ class _RingAttention(torch.autograd.Function):
     sees their keys once, here, besides the ring's blocks; their own queries' output is combined from
     per-block statistics in one fixed order (the whole tokens' block, then the shards in worker order), so
     every shard computes the same class token. Their key and value gradients stay here: each shard's part
-    (its own queries', and the whole queries' with this shard's part of their cotangent)."""
+    (its own queries', and the whole queries' with this shard's part of their cotangent).
+
+    ``mask``: None, or an additive bias ``(G, Nq, columns)`` over every key in one process's order (the whole
+    tokens', then the image's positions row-major: ``RingPlan.columns``); each block adds its own columns, and
+    its gradient is each block's score gradient put back in those columns."""
 
     @staticmethod
-    def forward(ctx, plan: RingPlan, q, k, v, *tables):
+    def forward(ctx, plan: RingPlan, q, k, v, mask, *tables):
         n, nq = plan.prefix, plan.whole_queries
         qc = plan.coords_of(plan.index)
         # contiguous: the whole tokens' products then run the same kernel on every shard, whoever's block
         ql, qp = q[:, nq:], q[:, :nq].contiguous()
+        ml, mp = (None, None) if mask is None else (mask[:, nq:], mask[:, :nq])
         kb, vb, src = k[:, n:].contiguous(), v[:, n:].contiguous(), plan.index
         local, whole = _Online(), {}
         if n:
             kp, vp = k[:, :n].contiguous(), v[:, :n].contiguous()
-            local.fold((ql @ kp.transpose(-1, -2)) * plan.scale, vp)
+            local.fold(_plus((ql @ kp.transpose(-1, -2)) * plan.scale, ml, slice(0, n)), vp)
             if nq:
-                whole[-1] = _block_stats((qp @ kp.transpose(-1, -2)) * plan.scale, vp)
+                whole[-1] = _block_stats(_plus((qp @ kp.transpose(-1, -2)) * plan.scale, mp, slice(0, n)), vp)
         for step in range(plan.size):
             kc = plan.coords_of(src)
-            local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape), vb)
+            cols = plan.columns(src) if mask is not None else None
+            local.fold(_scores(ql, kb, plan.scale, tables, qc, kc, plan.shape, _cols(ml, cols)), vb)
             if nq:
-                whole[src] = _block_stats((qp @ kb.transpose(-1, -2)) * plan.scale, vb)
+                whole[src] = _block_stats(_plus((qp @ kb.transpose(-1, -2)) * plan.scale, mp, cols), vb)
             if step < plan.size - 1:
                 kb, vb = plan.pass_on([kb, vb], src, [k.shape[-1], v.shape[-1]])
                 src = (src - 1) % plan.size
@@ -252,33 +294,37 @@ class _RingAttention(torch.autograd.Function):
             out_p, lse_p = _in_order([whole[j] for j in range(-1 if n else 0, plan.size)])
             out, lse = torch.cat([out_p, out], 1), torch.cat([lse_p, lse], 1)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, *tables)
+        ctx.save_for_backward(q, k, v, out, lse, mask, *tables)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         plan: RingPlan = ctx.plan
-        q, k, v, out, lse, *tables = ctx.saved_tensors
+        q, k, v, out, lse, mask, *tables = ctx.saved_tensors
         n = plan.prefix
         qc = plan.coords_of(plan.index)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         dtables = [torch.zeros_like(t) for t in tables]
+        dmask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if mask is not None else None
         kb, vb, src = k[:, n:], v[:, n:], plan.index
         dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
         if n:  # the whole tokens' keys, seen by every query here
             kp, vp = k[:, :n], v[:, :n]
-            p = torch.exp((q @ kp.transpose(-1, -2)) * plan.scale - lse)
+            p = torch.exp(_plus((q @ kp.transpose(-1, -2)) * plan.scale, mask, slice(0, n)) - lse)
             dvp = p.transpose(-1, -2) @ dout
             ds = p * (dout @ vp.transpose(-1, -2) - delta)
             dq = dq + (ds @ kp) * plan.scale
             dkp = (ds.transpose(-1, -2) @ q) * plan.scale
+            if dmask is not None:
+                dmask[..., :n] = ds
             del p, ds
         widths = [k.shape[-1], v.shape[-1], k.shape[-1], v.shape[-1]]
         for step in range(plan.size):
             kc = plan.coords_of(src)
-            p = torch.exp(_scores(q, kb, plan.scale, tables, qc, kc, plan.shape) - lse)
+            cols = plan.columns(src) if mask is not None else None
+            p = torch.exp(_scores(q, kb, plan.scale, tables, qc, kc, plan.shape, _cols(mask, cols)) - lse)
             dv = dv + p.transpose(-1, -2) @ dout
             ds = p * (dout @ vb.transpose(-1, -2) - delta)
             del p
@@ -286,6 +332,8 @@ class _RingAttention(torch.autograd.Function):
             dk = dk + (ds.transpose(-1, -2) @ q) * plan.scale
             for dt, a, b, m in zip(dtables, qc, kc, plan.shape):
                 dt.scatter_add_(-1, (b[None, :] - a[:, None] + (m - 1)).expand(ds.shape[0], -1, -1), ds)
+            if dmask is not None:
+                dmask[..., cols] = ds  # every column is one block's: set once
             del ds
             if step < plan.size - 1:  # the block moves on with its gradients so far
                 kb, vb, dk, dv = plan.pass_on([kb, vb, dk, dv], src, widths)
@@ -294,12 +342,22 @@ class _RingAttention(torch.autograd.Function):
             dk, dv = plan.pass_on([dk, dv], src, widths[2:])
         if n:
             dk, dv = torch.cat([dkp, dk], 1), torch.cat([dvp, dv], 1)
-        return (None, dq, dk, dv, *dtables)
+        return (None, dq, dk, dv, dmask, *dtables)
 
 
-def _gathered(plan: RingPlan, q, k, v, tables):
+def _cols(mask, cols):
+    """The mask's columns ``cols`` (None without a mask)."""
+    return None if mask is None else mask[..., cols]
+
+
+def _plus(s, mask, cols):
+    """Scores plus the mask's columns ``cols`` (as they are without a mask)."""
+    return s if mask is None else s + mask[..., cols]
+
+
+def _gathered(plan: RingPlan, q, k, v, tables, mask=None):
     """Every shard's keys and values gathered (differentiably), then plain attention; whole tokens' keys (a
-    class token's, the same on every shard) in front, once."""
+    class token's, the same on every shard) in front, once; the mask's columns in that order."""
     n = plan.prefix
     kv = torch.cat([k[:, n:], v[:, n:]], -1)
     parts = plan.ctx.executor.allgather(kv, "keys and values of global attention",
@@ -309,18 +367,24 @@ def _gathered(plan: RingPlan, q, k, v, tables):
     if n:
         ks, vs = torch.cat([k[:, :n], ks], 1), torch.cat([v[:, :n], vs], 1)
     kc = [torch.cat(c) for c in zip(*(plan.coords_of(j) for j in range(plan.size)))]
-    s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape)
+    if mask is not None:
+        cols = torch.cat([torch.arange(n, device=mask.device)] + [plan.columns(j) for j in range(plan.size)])
+        mask = mask[..., cols]
+    s = _scores(q, ks, plan.scale, tables, plan.coords_of(plan.index), kc, plan.shape, mask)
     return torch.softmax(s, -1) @ vs
 
 
-def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None, setting=None) -> torch.Tensor:
-    """``softmax(scale q kᵀ + bias) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys;
-    ``strategy`` None: chosen under ``setting`` (``use``'s, which the rules read off the mode), ring without."""
+def attend(plan: RingPlan, q, k, v, tables=(), strategy: str | None = None, setting=None,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(scale q kᵀ + bias + mask) v`` of this shard's queries ``(G, Nq, d)`` over every shard's keys;
+    ``mask``: None or an additive ``(G, Nq, columns)`` over every key in one process's order
+    (``RingPlan.columns``); ``strategy`` None: chosen under ``setting`` (``use``'s, which the rules read off
+    the mode), ring without."""
     if strategy is None:
         strategy = plan.strategy(setting, q.shape[0], q.shape[-1], v.shape[-1], q.element_size())
     if strategy == "gathered" or not plan.ctx.executor.ring_passes:  # the rpc transport: gathered (ring_in_backward)
-        return _gathered(plan, q, k, v, tables)
-    return _RingAttention.apply(plan, q, k, v, *tables)
+        return _gathered(plan, q, k, v, tables, mask)
+    return _RingAttention.apply(plan, q, k, v, mask, *tables)
 
 
 # -- a map's attention: timm BottleneckAttn ---------------------------------------------------------
@@ -386,8 +450,10 @@ def _attend_map_rule(mode: RuleContext, func, args, kwargs):
     return mark(out, shape)
 
 
-FIX = ("Global attention is split for timm's BottleneckAttn and for F.scaled_dot_product_attention over an "
-       "image's flattened positions without a mask, causal flag or dropout")
+FIX = ("Global attention is split for timm's BottleneckAttn and for F.scaled_dot_product_attention whose sequence "
+       "dim (-2) holds an image's flattened positions (x.flatten(2).transpose(1, 2) or x.reshape(N, C, -1)"
+       ".transpose(1, 2); a 1D map's own positions need no flattening) in the queries, or the keys and values, or "
+       "all three, with no dropout; a mask or bias may span every key in one process's order")
 
 
 # -- timm BottleneckAttn on a shard -------------------------------------------------------------------
@@ -417,74 +483,6 @@ def _bottleneck_forward(m, x):
     rel = (m.pos_embed.height_rel, m.pos_embed.width_rel)
     out = attend_map(q, k, v, m.num_heads, m.scale, rel, m.scale_pos_embed)  # strategy: the path's setting (use)
     return m.pool(out)
-
-
-# -- F.scaled_dot_product_attention over flattened positions -------------------------------------------
-def sdpa_over_positions(mode: RuleContext, func, args, kwargs, refuse, whole_queries: bool = False):
-    """``F.scaled_dot_product_attention`` whose sequence dim (-2) holds an image's flattened positions, in q,
-    k and v alike: ring attention, the output's positions where the queries' are. ``refuse(reason)``:
-    the caller's refusal. ``whole_queries``: q is an ordinary tensor, the same on every shard (timm's
-    ``AttentionPoolLatent``): each shard computes the whole output from every block, in one fixed order."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    b = bind(names, args, kwargs)
-    q, k, v = b["query"], b["key"], b["value"]
-    if b.get("is_causal"):
-        raise refuse("it is causal: a causal mask follows the flattened order of the positions, which is each "
-                     "shard's own, not one process's (no ring or gather can reproduce it)")
-    if b.get("attn_mask") is not None:
-        raise refuse("it has an attention mask: a mask over an image's flattened positions is not split over "
-                     "shards (drop the mask, or hold the module whole with bigconv.hold_whole)")
-    if b.get("dropout_p", 0.0):
-        raise refuse("its attention dropout would be drawn per shard (set dropout_p=0)")
-    if b.get("enable_gqa"):
-        raise refuse("grouped-query attention (enable_gqa) is not split")
-    if q.dim() < 3 or q.shape[:-2] != k.shape[:-2] or k.shape[:-2] != v.shape[:-2]:
-        raise refuse("its query, key and value differ in their batch dims")
-    shape = positions(k)[0]
-    if isinstance(shape, tuple) and hasattr(shape, "lead") and shape.lead != 1:
-        raise refuse("its positions are windows merged with the batch")
-    lead = q.shape[:-2]
-    g = math.prod(lead)
-    scale = b.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-    plan = RingPlan(mode, tuple(shape), scale, q.device, prefix(shape), q.shape[-2] if whole_queries else None)
-    out = attend(plan, q.reshape(g, *q.shape[-2:]), k.reshape(g, *k.shape[-2:]), v.reshape(g, *v.shape[-2:]),
-                 setting=mode.attention_setting())
-    out = out.reshape(*lead, *out.shape[-2:])
-    return out if whole_queries else mark_positions(out, shape, -2)
-
-
-def over_positions(inner):
-    """The positions rule of ``F.scaled_dot_product_attention``: ``sdpa_over_positions`` when q, k and v hold
-    an image's flattened positions in their sequence dim (-2), else ``inner`` (window attention, whose
-    windows are a batch dim: ``bigconv.ops.windows``). ``bigconv.ops.table`` puts it in place of ``inner``."""
-
-    def rule(mode: RuleContext, func, args, kwargs):
-        b = bind(("query", "key", "value"), args, kwargs)
-        marks = [positions(t) for t in (b.get("query"), b.get("key"), b.get("value"))]
-        tensors = (b["query"], b["key"], b["value"])
-        if marks[0] is None and all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks[1:],
-                                                                                              tensors[1:])):
-            # Whole queries (a pooling head's latent queries, the same on every shard) over split tokens
-            if marks[1][0] != marks[2][0] or global_shape(tensors[0]) is not None:
-                raise mode.unsupported(func, "its keys and values come from images of different shapes, or its "
-                                       "queries are a sharded map", FIX)
-
-            def refuse_whole(reason):
-                return mode.unsupported(func, f"its whole queries attend over an image's flattened positions and "
-                                        f"{reason}", FIX)
-
-            return sdpa_over_positions(mode, func, args, kwargs, refuse_whole, whole_queries=True)
-        if all(m is not None and m[1] % t.dim() == t.dim() - 2 for m, t in zip(marks, tensors)):
-            if len({m[0] for m in marks}) != 1:
-                raise mode.unsupported(func, "its query, key and value come from images of different shapes", FIX)
-
-            def refuse(reason):
-                return mode.unsupported(func, f"it attends over an image's flattened positions and {reason}", FIX)
-
-            return sdpa_over_positions(mode, func, args, kwargs, refuse)
-        return inner(mode, func, args, kwargs)
-
-    return rule
 
 
 RULES: dict = {attend_map: _attend_map_rule}

@@ -91,6 +91,11 @@ class ShardMode(TorchFunctionMode):
     def where(self) -> str:
         return self.path.current if self.path else "the model's forward"
 
+    def note_attention(self, note) -> None:
+        """Record what an attention rule did, under the running modules (``ModulePath.note``)."""
+        if self.path is not None:
+            self.path.note(note)
+
     def attention_setting(self):
         """How global attention runs here: the innermost running module's ``(strategy, memory)``
         (``bigconv.ops.global_attention.use``), or None (ring passes)."""
@@ -107,11 +112,19 @@ class ShardMode(TorchFunctionMode):
         if len(stack) < 2:  # the root module: holding it whole would be one process's run on every worker
             return ""
         kinds = [entry.rsplit("(", 1)[-1].rstrip(")") for entry in stack[1:]]
+        flat = list(getattr(self.path, "flat", [False] * len(stack)))[1:]
         # Inside an attention module, the leaf that refuses (a Conv3d over a reshaped map in timm's lambda
         # layer) is not the module to hold: holding it alone gathers its input and the next op of the
         # attention refuses again. The innermost attention module around it is.
-        attention = [k for k in kinds[:-1] if ATTENTION_NAME.search(k)]
-        kind = attention[-1] if attention else kinds[-1]
+        attention = [i for i, k in enumerate(kinds[:-1]) if ATTENTION_NAME.search(k)]
+        at = attention[-1] if attention else len(kinds) - 1
+        # A module given flattened positions cannot be held (bigconv.ops.whole refuses it, "one level up"): the
+        # innermost module around it that is given maps can (SAM's Block around its Attention).
+        while at >= 0 and flat[at]:
+            at -= 1
+        if at < 0:
+            return ""
+        kind = kinds[at]
         return (f". Or compute this module whole on every worker (exact; the whole map's memory and compute there, "
                 f"fine for small deep maps): bigconv.hold_whole(model, {kind}) before parallelize")
 

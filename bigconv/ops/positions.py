@@ -27,7 +27,7 @@ from .context import RuleContext
 from .dims import int_dims, size_args
 from .layout import POINTWISE_F, POINTWISE_TENSOR, POINTWISE_TORCH
 from .reduce import global_extreme
-from .shards import WindowGrid, bind, lead, mark_positions, positions, prefix, trail, tree_flatten
+from .shards import WindowGrid, bind, lead, mark, mark_positions, positions, prefix, trail, tree_flatten
 from .windows import local_windows, positions_to_map
 
 
@@ -124,13 +124,13 @@ def _pointwise(mode: RuleContext, func, args, kwargs):
                 raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
             # As long as every position, in one process's order (Swin's shifted-window mask, a row per window;
             # a ViT's position embedding over its patch tokens): this shard's part
-            full[id(t)] = _local(mode, t, shape, dim)
+            full[id(t)] = localize(mode, t, shape, dim)
     if full:
         args, kwargs = _swap((args, kwargs), full)
     return _mark(func(*args, **kwargs), shape, dim)
 
 
-def _local(mode: RuleContext, t: torch.Tensor, shape, dim: int) -> torch.Tensor:
+def localize(mode: RuleContext, t: torch.Tensor, shape, dim: int) -> torch.Tensor:
     """This shard's part of ``t`` whose ``dim`` holds every position (and the whole tokens in front, a ViT's
     position embedding of its class token)."""
     p = prefix(shape)
@@ -202,6 +202,9 @@ def _reshape(mode: RuleContext, func, args, kwargs):
         target = [size.numel() // known if t == -1 else t for t in target]
     pos = dim % x.dim()
     before, after = _count(size[:pos]), _count(size[pos + 1:])
+    out = _back_to_map(mode, func, x, shape, target, before, after)
+    if out is not None:
+        return out
     for k, t in enumerate(target):
         if t == total and _count(target[:k]) == before and _count(target[k + 1:]) == after:
             local = [*target[:k], x.shape[pos], *target[k + 1:]]
@@ -213,6 +216,25 @@ def _reshape(mode: RuleContext, func, args, kwargs):
     if out is not None:  # back into a map (of windows), or merged with whole dims (bigconv.ops.windows)
         return out
     raise refuse(mode, func, f"it reshapes them into {tuple(target)}, mixing the positions with other dims")
+
+
+def _back_to_map(mode: RuleContext, func, x: torch.Tensor, shape, target: list, before: int, after: int):
+    """An image's plain positions reshaped into its map: the image's spatial sizes in a row of ``target``, the
+    dims before and after them the positions' own (a size-1 spatial dim, ``(N, C, 32, 1)`` of ``(N, C, 32)``,
+    which the positions' own reshape would read as a new dim behind them; a 1D map's ``(N, C, L)``, when
+    its positions are last). None when the reshape is no such thing."""
+    d = len(shape)
+    if prefix(shape) or lead(shape) * trail(shape) != 1:
+        return None
+    for j in range(len(target) - d + 1):
+        if tuple(target[j:j + d]) != tuple(shape) or _count(target[:j]) != before or _count(target[j + d:]) != after:
+            continue
+        if d == 1 and not (after == 1 and j + d == len(target)):  # a 1D map's positions stay positions elsewhere
+            continue
+        local = [*target[:j], *mode.executor.local_shape(tuple(shape)), *target[j + d:]]
+        return mark(func(x, local) if func is not torch.reshape else torch.reshape(x, local), tuple(shape),
+                    tuple(range(j - len(target), j + d - len(target))))
+    return None
 
 
 def _flatten(mode: RuleContext, func, args, kwargs):
@@ -248,6 +270,19 @@ def _expand(mode: RuleContext, func, args, kwargs):
         raise refuse(mode, func, f"it expands the positions to {sizes[k]}")
     sizes[k] = -1
     return mark_positions(x.expand(*sizes), shape, dim % x.dim() - x.dim())
+
+
+def _expand_as(mode: RuleContext, func, args, kwargs):
+    """``t.expand_as(x)`` to a tensor of flattened positions: a token (size 1 along them, smp DPT's readout of the
+    class token beside every patch token) repeated at this shard's positions; or positions to their own shape."""
+    t, other = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    mark = positions(other)
+    if mark is None or (positions(t) is not None and positions(t) != mark):
+        raise refuse(mode, func, "it expands to a tensor that does not hold the same positions")
+    k = mark[1] % other.dim()
+    if positions(t) is None and t.dim() >= other.dim() - k and t.shape[k - other.dim()] != 1:
+        raise refuse(mode, func, f"an operand of shape {tuple(t.shape)} varies along the positions")
+    return mark_positions(t.expand(other.shape), mark[0], mark[1] % other.dim() - other.dim())
 
 
 def _shape_property(mode: RuleContext, func, args, kwargs):
@@ -433,6 +468,7 @@ def _register() -> None:
         _flatten: (torch.flatten, torch.Tensor.flatten),
         _pad: (F.pad,),
         _expand: (torch.Tensor.expand,),
+        _expand_as: (torch.Tensor.expand_as,),
         _size: (torch.Tensor.size,),
         _query: tuple(getattr(torch.Tensor, n) for n in ("dim", "ndimension", "element_size", "is_floating_point",
                                                           "is_contiguous", "get_device", "__format__", "__repr__")),

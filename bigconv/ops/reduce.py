@@ -165,8 +165,73 @@ def _prefix_sum(mode: RuleContext, x: torch.Tensor, dim: int, dtype) -> torch.Te
         if c[axis] < me[axis] and all(c[a] == me[a] for a in range(len(me)) if a != axis):
             local = local + p
         else:  # in the graph all the same: every part received must send its (zero) gradient back
-            local = local + 0 * p.sum()
+            local = local + _zero_tie(p)
     return mark(local, shape, layout)
+
+
+def _cum_extreme(mode: RuleContext, func, args, kwargs):
+    """``cummax``/``cummin``: along a batch or channel dim, local; along a sharded spatial dim, a prefix scan as
+    ``cumsum``'s (``_prefix_sum``): this shard's own running extreme, then the running extreme of the shards
+    before it along that axis (their last slices' values and global indices, by an all-gather, folded in axis
+    order), taken where it wins. Ties and NaNs go as torch's sequential scan decides: the later position wins a
+    tie, a NaN wins and stays."""
+    b = bind(("input", "dim"), args, kwargs)
+    x, dim = b["input"], int_dims(b["dim"], b["input"].dim())[0]
+    shape, layout = global_shape(x), mode.layout(x)
+    spatial = nonneg_dims(layout, x.dim())
+    largest = func.__name__ == "cummax"
+    if dim not in spatial:
+        out = func(*args, **kwargs)
+        return getattr(torch.return_types, func.__name__)((mark(out.values, shape, layout),
+                                                           mark(out.indices, shape, layout)))
+    axis = spatial.index(dim)
+    values, indices = func(x, dim)
+    box = shard_box(shape, mode.executor.grid, mode.executor.coord)
+    indices = indices + box[axis][0]  # global positions along the axis
+    last = values.narrow(dim, values.shape[dim] - 1, 1)
+    coords = list(all_coords(mode.executor.grid))
+
+    def size(coord):
+        out = list(last.shape)
+        for d, (a, b_) in zip(spatial, shard_box(shape, mode.executor.grid, coord)):
+            out[d] = b_ - a if d != dim else 1
+        return tuple(out)
+
+    sizes = [size(c) for c in coords]
+    parts = mode.executor.allgather(last, f"{func.__name__} totals", sizes)
+    places = mode.executor.allgather(indices.narrow(dim, indices.shape[dim] - 1, 1).contiguous(),
+                                     f"{func.__name__} positions", sizes)
+    me = mode.executor.coord
+    before = [i for i, c in enumerate(coords) if c[axis] < me[axis]
+              and all(c[a] == me[a] for a in range(len(me)) if a != axis)]
+    prev_value = prev_index = None
+    for i in sorted(before, key=lambda i: coords[i][axis]):  # the shards before, in axis order
+        if prev_value is None:
+            prev_value, prev_index = parts[i], places[i]
+            continue
+        take = _wins(parts[i], prev_value, largest)
+        prev_value = torch.where(take, parts[i], prev_value)
+        prev_index = torch.where(take, places[i], prev_index)
+    for i, p in enumerate(parts):  # every part received sends its (zero) gradient back, as in _prefix_sum
+        if i not in before and coords[i] != me:
+            values = values + _zero_tie(p)
+    if prev_value is not None:
+        take = _wins(values, prev_value, largest)
+        values = torch.where(take, values, prev_value)
+        indices = torch.where(take, indices, prev_index)
+    return getattr(torch.return_types, func.__name__)((mark(values, shape, layout), mark(indices, shape, layout)))
+
+
+def _wins(new: torch.Tensor, old: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Where torch's sequential scan takes ``new`` over the running ``old``: a NaN, or not worse (ties: later)."""
+    better = new >= old if largest else new <= old
+    return torch.isnan(new) | (~torch.isnan(old) & better)
+
+
+def _zero_tie(p: torch.Tensor) -> torch.Tensor:
+    """0, in the graph of ``p`` (its gradient zero), whatever ``p`` holds: ``0 * p`` would be NaN where ``p`` is NaN
+    or infinite, and carry another shard's NaN into this one's result."""
+    return torch.where(torch.zeros_like(p, dtype=torch.bool), p, torch.zeros_like(p)).sum()
 
 
 def _linear(mode: RuleContext, func, args, kwargs):
@@ -179,6 +244,48 @@ def _linear(mode: RuleContext, func, args, kwargs):
     return mode.tag_outputs(func(*args, **kwargs), global_shape(x), mode.layout(x))
 
 
+def _einsum(mode: RuleContext, func, args, kwargs):
+    """``torch.einsum`` of sharded maps: per position when the output keeps every spatial letter (SAM's relative
+    position terms, ``einsum("bhwc,hkc->bhwk", q_map, Rh)``: an ordinary operand indexed by a spatial letter spans
+    the whole image along it, and this shard's part of it is used); a global sum when it keeps none."""
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        raise mode.unsupported(func, "its equation is not explicit", "Write the equation with '->' and no '...'")
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    sharded = [(term, t) for term, t in zip(terms, operands) if global_shape(t) is not None]
+    shape = mode.one_shape(func, [t for _, t in sharded])
+    axes = {tuple(term[d] for d in mode.layout(t)) for term, t in sharded}
+    if len(axes) != 1:
+        raise mode.unsupported(func, "its sharded operands hold the spatial dims under different letters",
+                               "Give every sharded operand the same letter for each spatial dim")
+    letters = axes.pop()
+    local = []
+    for term, t in zip(terms, operands):
+        if global_shape(t) is None and any(c in term for c in letters):
+            dims = [term.index(c) - len(term) for c in letters if c in term]
+            sizes = [shape[letters.index(c)] for c in letters if c in term]
+            if any(t.shape[d] != n for d, n in zip(dims, sizes)):
+                raise mode.unsupported(func, f"an unsharded operand of shape {tuple(t.shape)} ('{term}') runs along a "
+                                       "spatial letter but not over the whole image", "Give it the image's size there")
+            box = shard_box(shape, mode.executor.grid, mode.executor.coord)
+            index = [slice(None)] * t.dim()
+            for c in letters:
+                if c in term:
+                    index[term.index(c)] = slice(*box[letters.index(c)])
+            t = t[tuple(index)]
+        local.append(t)
+    out = func(equation, *local)
+    kept = [c for c in letters if c in output]
+    if not kept:
+        return mode.executor.allsum(out)
+    if len(kept) != len(letters):
+        raise mode.unsupported(func, "it sums over some spatial letters but not all", _SOME_SPATIAL_FIX)
+    return mark(out, shape, tuple(output.index(c) - len(output) for c in letters))
+
+
 def _flatten(mode: RuleContext, func, args, kwargs):
     b = bind(("input", "start_dim", "end_dim"), args, kwargs)
     x, shape = b["input"], global_shape(b["input"])
@@ -187,9 +294,9 @@ def _flatten(mode: RuleContext, func, args, kwargs):
     if not set(spatial) & set(range(start, end + 1)):
         out_dims = [p - (end - start) if p > end else p for p in spatial]
         return mode.tag_outputs(func(*args, **kwargs), shape, neg_dims(out_dims, x.dim() - (end - start)))
-    if mode.dims > 1 and start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
-        # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions); reductions over
-        # them are global, anything else gathers them whole as below
+    if start == x.dim() - mode.dims and end == x.dim() - 1 and mode.layout(x) == trailing(mode.dims):
+        # x.flatten(2): this shard's positions in one dim (bigconv.ops.positions; of a 1D map, its positions as
+        # they are); reductions over them and attention are global, anything else gathers them whole as below
         return mark_positions(x.reshape(*x.shape[:start], -1), shape, -1, gather=True)
     if end != x.dim() - 1 or mode.layout(x) != trailing(mode.dims):
         raise mode.unsupported(func, "it merges spatial dims into others but keeps some after them",
@@ -225,6 +332,8 @@ def _register() -> None:
         _linear: (F.linear,),
         _flatten: (torch.flatten, torch.Tensor.flatten),
         _elementwise_loss: (F.mse_loss, F.l1_loss),
+        _einsum: (torch.einsum,),
+        _cum_extreme: (torch.cummax, torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin),
     }
     for rule, funcs in table.items():
         for f in funcs:

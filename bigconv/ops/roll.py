@@ -1,4 +1,11 @@
-"""``torch.roll`` on sharded dims: Swin's cyclic shift as a neighbour exchange, exact both ways.
+"""``torch.roll`` and ``torch.flip`` on sharded dims: index maps of one tap, exchanges exact both ways.
+
+``torch.flip`` of a sharded dim reverses the image along it: the shards' order reversed and each part
+flipped, so a shard's outputs read the mirror shard's inputs (``bigconv.geometry.index_maps.Flip``
+through the same ``index_map`` exchange; the middle shard of an odd count reads itself). Batch and
+channel dims flip locally. ``fliplr``/``flipud`` are flips of dims 1 and 0.
+
+``torch.roll`` on sharded dims: Swin's cyclic shift as a neighbour exchange, exact both ways.
 
 Rolling a sharded dim by ``s`` moves every position ``s`` places, wrapping around the image: each
 shard's output reads the ``|s|`` positions before (or after) its own from the neighbouring shard,
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..geometry.index_maps import Roll
+from ..geometry.index_maps import Flip, Roll
 from .context import RuleContext
 from .shards import bind, global_shape, mark
 
@@ -75,6 +82,32 @@ def _gather(region: torch.Tensor, taps) -> torch.Tensor:
     return out
 
 
+def _flip(mode: RuleContext, func, args, kwargs):
+    name = func.__name__
+    x = args[0] if args else kwargs["input"]
+    shape, layout = global_shape(x), mode.layout(x)
+    if name in ("fliplr", "flipud"):
+        dims = [1 if name == "fliplr" else 0]
+    else:
+        dims = args[1:] if len(args) > 1 else [kwargs["dims"]]
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else list(dims)
+    spatial = [d % x.dim() for d in layout]
+    mine = {d % x.dim() for d in dims}
+    other = sorted(mine - set(spatial))
+    if other:  # batch or channel dims: whole on every shard
+        x = torch.flip(x, other)
+    if not mine & set(spatial):
+        return mark(x.view_as(x), shape, layout)
+    order = [d for d in range(x.dim()) if d not in spatial] + spatial  # spatial dims last, in grid order
+    inverse = [order.index(d) for d in range(x.dim())]
+    maps = [Flip(n) if d in mine else Roll(n, 0) for n, d in zip(shape, spatial)]
+    out = mode.executor.index_map(x.permute(order), shape, maps, _gather, mode.where())
+    return mark(out.permute(inverse), shape, layout)
+
+
 RULES[torch.roll] = _roll
 RULES[torch.Tensor.roll] = _roll
 LAYOUT_AWARE.update((torch.roll, torch.Tensor.roll))
+for _f in (torch.flip, torch.Tensor.flip, torch.fliplr, torch.Tensor.fliplr, torch.flipud, torch.Tensor.flipud):
+    RULES[_f] = _flip
+    LAYOUT_AWARE.add(_f)

@@ -8,7 +8,7 @@ coordinate. ``bigconv.ops.mode`` (the ``ShardMode``) dispatches calls on such te
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -100,41 +100,76 @@ ATTENTION_ATTR = "_bigconv_attention"
 ``(strategy, memory)``; the innermost module that has it decides."""
 
 
+class AttentionNote(NamedTuple):
+    """What an attention rule did for one call (``ModulePath.note``)."""
+
+    kind: str
+    """``ring`` or ``gathered`` (keys and values of every position), ``local`` (each worker's queries over whole
+    keys and values), ``windows`` (each worker its own windows)."""
+    positions: int = 0
+    """How many keys' positions the image has (whole items beside them counted)."""
+    whole: int = 0
+    """Whole tokens in front (class and register tokens)."""
+    whole_queries: bool = False
+    """Every query whole on every worker (a latent array, a pooling head's)."""
+
+
 class ModulePath:
     """Tracks which module is running, so errors can name it, and the attention setting around it."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.stack: list[str] = []
         self.settings: list = []
+        self.flat: list[bool] = []
+        """Per running module: whether it was given an image's flattened positions (``hold_whole`` refuses
+        to hold such a module: the module that flattened them is the one to hold)."""
+        self.notes: list[tuple[tuple[str, ...], AttentionNote]] = []
+        """What the attention rules did in this forward, with the modules running then (``bigconv.check``
+        names each attention module's strategy from them); cleared when the outermost module returns."""
         for name, module in model.named_modules():
             label = f"'{name or '<root>'}' ({type(module).__name__})"
-            module.register_forward_pre_hook(lambda m, _, label=label: self._enter(label, m))
+            module.register_forward_pre_hook(lambda m, args, label=label: self._enter(label, m, args))
             module.register_forward_hook(lambda *_: self._leave())
         model.register_forward_hook(self._check_output)
 
     @staticmethod
     @torch.compiler.disable  # reads tensors' __dict__, which dynamo cannot trace (as ShardMode's handler)
     def _check_output(module, inputs, out) -> None:
-        if any(positions(t) is not None for t in tree_flatten(out)[0]):
+        found = [where for where, t in _leaves(out, "out") if positions(t) is not None]
+        if found:
             raise UnsupportedOperation(
-                "bigconv cannot return, from the model's forward, positions flattened from a sharded image "
-                "(each shard holds its own, in its own order). Reduce over them (softmax, sum, mean, amax, "
-                "matmul/einsum contracting them) inside forward, or return the unflattened map")
+                f"bigconv cannot return, from the model's forward, positions flattened from a sharded image "
+                f"({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}: each shard holds its own, in its own "
+                "order). Reduce over them (softmax, sum, mean, amax, matmul/einsum contracting them) inside forward, "
+                "or return the unflattened map (tokens.transpose(1, 2).reshape(N, C, *grid)); to drop outputs "
+                "you do not train on (MONAI ViTAutoEnc's hidden states), wrap the model in a module whose forward "
+                "returns the others (model(x)[0])")
 
     # Hooks must return None: a forward hook's return value replaces the module's output.
-    def _enter(self, label: str, module: torch.nn.Module) -> None:
+    @torch.compiler.disable  # reads tensors' __dict__
+    def _enter(self, label: str, module: torch.nn.Module, args=()) -> None:
         self.stack.append(label)
         self.settings.append(getattr(module, ATTENTION_ATTR, None))
+        self.flat.append(any(positions(t) is not None for t in tree_flatten(args)[0]))
 
     def _leave(self) -> None:
         if self.stack:
             self.stack.pop()
             self.settings.pop()
+            self.flat.pop()
+        if not self.stack:
+            self.notes.clear()
+
+    def note(self, item: "AttentionNote") -> None:
+        """Record what an attention rule did, under the modules running now."""
+        self.notes.append((tuple(self.stack), item))
 
     def clear(self) -> None:
         """Forget a forward that raised (its modules never left)."""
         self.stack.clear()
         self.settings.clear()
+        self.flat.clear()
+        self.notes.clear()
 
     @property
     def attention(self):
@@ -144,6 +179,15 @@ class ModulePath:
     @property
     def current(self) -> str:
         return f"module {self.stack[-1]}" if self.stack else "the model's forward"
+
+
+def _leaves(tree: Any, path: str) -> list[tuple[str, Any]]:
+    """The leaves of a model's output with their places in it (``out[1][0]``, ``out['aux']``)."""
+    if isinstance(tree, (list, tuple)):
+        return [leaf for i, v in enumerate(tree) for leaf in _leaves(v, f"{path}[{i}]")]
+    if isinstance(tree, dict):
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{path}[{k!r}]")]
+    return [(path, tree)]
 
 
 def op_name(func: Callable) -> str:

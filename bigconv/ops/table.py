@@ -13,9 +13,11 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from . import global_attention, layout, norm, positions, prefix, random, reduce, roll, subpixel, unfold, window, windows
+from . import (
+    global_attention, layout, norm, positions, prefix, random, reduce, roll, sdpa, subpixel, unfold, window, windows,
+)
 
-MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, unfold, global_attention)
+MODULES = (layout, reduce, window, norm, subpixel, positions, random, roll, windows, unfold, global_attention, sdpa)
 
 
 def _merge(name: str) -> Mapping:
@@ -40,14 +42,14 @@ PROPERTY_RULES: Mapping[str, Callable] = _merge("PROPERTY_RULES")
 """Rules for tensor attributes (``x.shape``), by name."""
 LAYOUT_AWARE: frozenset = frozenset().union(*(m.LAYOUT_AWARE for m in MODULES))
 """Functions whose rules handle spatial dims wherever they are; the others need them trailing."""
-_POSITIONS = dict(_merge_from((positions, windows, prefix), "POSITION_RULES"))
+_POSITIONS = dict(_merge_from((positions, windows, prefix, unfold), "POSITION_RULES"))
 # Indexing whole tokens in front of the positions (a ViT's class token: x[:, 0]); the rest, windows' rule.
 _POSITIONS[torch.Tensor.__getitem__] = prefix.getitem(_POSITIONS[torch.Tensor.__getitem__])
 # torch.cat along the positions: whole tokens in front (prefix); along another dim: windows' rule
 _POSITIONS.update({f: prefix.joining(_POSITIONS[f]) for f in (torch.cat, torch.concat, torch.concatenate)})
 _POSITIONS[F.normalize] = prefix.not_over_whole(_POSITIONS[F.normalize], 2, 1)  # F.normalize(input, p, dim)
 # SDPA over positions in its sequence dim is global attention (ring passes); in a batch dim, windows'.
-_POSITIONS[F.scaled_dot_product_attention] = global_attention.over_positions(
+_POSITIONS[F.scaled_dot_product_attention] = sdpa.over_positions(
     _POSITIONS[F.scaled_dot_product_attention])
 POSITION_RULES: Mapping[Callable, Callable] = MappingProxyType(_POSITIONS)
 """Rules for calls given an image's positions flattened into one dim (``bigconv.ops.positions``)."""

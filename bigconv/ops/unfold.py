@@ -18,6 +18,12 @@ such a map is.
 with a convolution's window (kernel, dilation, padding, stride): each shard's columns are its own
 output positions, flattened in its own order as ``x.flatten(2)`` flattens them (``bigconv.ops.
 positions``), so a reshape back into ``(N, C * kh * kw, H', W')`` is this shard's part of the map.
+
+``F.fold`` (col2im, ``nn.Fold``), its inverse, sums every block that covers an output: on shards, the
+columns (each shard's own blocks) are a map of the blocks, and each block writes as an input of a
+transposed convolution of the same window does (``TransposedWindow``), so each shard gathers the columns
+of every block that reaches its outputs and folds them (``region_op``; backward returns each column's
+gradient to its owner): overlaps across shards summed as one process sums them.
 """
 
 from __future__ import annotations
@@ -25,16 +31,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..geometry.boxes import Window
+from ..geometry.boxes import TransposedWindow, Window
 from .context import RuleContext
 from .dims import neg_dims, nonneg_dims
-from .shards import REPLICATED_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, bind, global_shape, mark, mark_positions, ntuple
+from .shards import (
+    REPLICATED_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, bind, global_shape, mark, mark_positions, ntuple, positions,
+)
 
 RULES: dict = {}
 """This module's rules for calls with a sharded argument (merged by ``bigconv.ops.table``)."""
 WHOLE_RULES: dict = {}
 LAYOUT_AWARE: set = set()
 PROPERTY_RULES: dict = {}
+POSITION_RULES: dict = {}
+"""Rules for calls given flattened positions: ``F.fold`` of columns (merged by ``bigconv.ops.table``)."""
 
 
 def _unfold(mode: RuleContext, func, args, kwargs):
@@ -97,6 +107,53 @@ def _im2col(mode: RuleContext, func, args, kwargs):
     return mark_positions(out.reshape(n, out.shape[1], -1), WindowGrid(out_shape), -1)
 
 
+def _fold(mode: RuleContext, func, args, kwargs):
+    """``F.fold`` (col2im, ``nn.Fold``) of columns that are an image's flattened positions, one per block
+    (``F.unfold``'s own, or a map's ``flatten(2)``): the inverse of unfold, each output summing every block that covers it. A block
+    writes like an input of a transposed convolution of the same window (``TransposedWindow``): each shard gathers
+    the columns of every block that reaches its outputs from their owners (``region_op``), folds them and keeps its
+    own part, so overlaps are summed across shards as one process sums them; backward returns each column's
+    gradient to its owner."""
+    b = bind(("input", "output_size", "kernel_size", "dilation", "padding", "stride"), args, kwargs)
+    x = b["input"]
+    shape, dim = positions(x)
+    if mode.dims != 2 or x.dim() != 3:
+        raise mode.unsupported(func, f"it folds a {x.dim()}D input on a {mode.dims}D grid (F.fold makes 2D maps)",
+                               "Fold (N, C * kh * kw, L) columns into a map on a 2D grid")
+    out_size, kernel = ntuple(b["output_size"], 2), ntuple(b["kernel_size"], 2)
+    dilation, padding = ntuple(b.get("dilation", 1), 2), ntuple(b.get("padding", 0), 2)
+    stride = ntuple(b.get("stride", 1), 2)
+    blocks = tuple((o + 2 * p - d * (k - 1) - 1) // s + 1
+                   for o, p, d, k, s in zip(out_size, padding, dilation, kernel, stride))
+    if (dim % x.dim() != 2 or tuple(shape) != blocks or getattr(shape, "lead", 1) * getattr(shape, "trail", 1) != 1
+            or getattr(shape, "prefix", 0)):
+        raise mode.unsupported(func, f"its columns are not the {blocks} blocks of its window flattened in the last dim "
+                               f"(they hold an image's positions {shape!r} in dim {dim})", "Fold the columns of "
+                               "F.unfold with the same window, or a (N, C * kh * kw, bh, bw) map's flatten(2)")
+    windows = [TransposedWindow(k, s, d, p, o - TransposedWindow(k, s, d, p).out_size(m))
+               for k, s, d, p, o, m in zip(kernel, stride, dilation, padding, out_size, blocks)]
+    n, ckk = x.shape[:2]
+    c = ckk // (kernel[0] * kernel[1])
+    local = mark(x.reshape(n, ckk, *mode.executor.local_shape(blocks)), blocks)
+
+    def op(region, plan):
+        size = tuple(b_ - a for a, b_ in plan.out_box)
+        if region is None:  # only output padding here: no block writes into this shard
+            return x.new_zeros((n, c, *size))
+        extent = [(m - 1) * s + d * (k - 1) + 1 for m, s, d, k in zip(region.shape[2:], stride, dilation, kernel)]
+        out = F.fold(region.reshape(n, ckk, -1), extent, kernel, dilation, 0, stride)
+        pads = []
+        for w, (o0, o1), (i0, _), have in zip(windows, plan.out_box, plan.need, extent):
+            start = o0 - w.output_origin(i0)
+            pads.append((start, have - start - (o1 - o0)))
+        return F.pad(out, [-p for lo_hi in reversed(pads) for p in lo_hi])  # crop; a positive high pad: no block
+
+    if not mode.executor.fits(tuple(out_size)):
+        raise mode.unsupported(func, f"its output {tuple(out_size)} is smaller than the grid", "Use fewer shards")
+    return mark(mode.executor.region_op(local, blocks, windows, op, mode.where(), fill=None), tuple(out_size))
+
+
 RULES[torch.Tensor.unfold] = _unfold
 LAYOUT_AWARE.add(torch.Tensor.unfold)
 RULES[F.unfold] = _im2col
+POSITION_RULES[F.fold] = _fold

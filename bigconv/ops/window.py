@@ -21,7 +21,7 @@ from ..geometry.boxes import TransposedWindow, Window, shard_box
 from ..geometry.index_maps import PadMap, Resize, resize_sizes
 from .context import RuleContext
 from .reduce import sum_mean
-from .shards import bind, global_shape, mark, ntuple, trailing, with_input
+from .shards import UnsupportedOperation, bind, global_shape, mark, ntuple, trailing, with_input
 
 
 RULES: dict = {}
@@ -34,7 +34,9 @@ PROPERTY_RULES: dict = {}
 """Its rules for tensor attributes, by name."""
 
 
-def _conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
+def conv_windows(kernel: Sequence[int], stride, padding, dilation) -> list[Window]:
+    """One ``Window`` per dim of a convolution (``'same'``, ``'valid'`` or numbers): the run's and
+    ``bigconv.check``'s."""
     n = len(kernel)
     expand = lambda v: [v] * n if isinstance(v, int) else list(v)  # noqa: E731
     stride, dilation = expand(stride), expand(dilation)
@@ -57,7 +59,7 @@ def _conv(mode: RuleContext, func, args, kwargs):
     if shape is None or global_shape(weight) is not None:
         raise mode.unsupported(func, "its weight is sharded", "Convolve a sharded input with an ordinary weight.")
     stride, dilation, groups = b.get("stride", 1), b.get("dilation", 1), b.get("groups", 1)
-    windows = _conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
+    windows = conv_windows(weight.shape[2:], stride, b.get("padding", 0), dilation)
     if len(windows) != mode.dims:
         raise mode.unsupported(func, f"it is {len(windows)}D on a {mode.dims}D grid",
                                "Use a grid with one axis per spatial dim.")
@@ -332,20 +334,29 @@ def _pad_moved(mode: RuleContext, func, x, shape, pad: list, kind: str, value):
 
 _INTERP_NAMES = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
 _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
+_CUBIC = {"bicubic": 2}
+_MODES = "'nearest', 'nearest-exact', 'linear', 'bilinear', 'trilinear' or 'bicubic'"
 
 
 def _resize_maps(mode: RuleContext, func, args, kwargs, shape):
+    """One ``Resize`` per spatial dim for ``F.interpolate`` of a map of spatial ``shape``; None for a mode of the
+    wrong rank (PyTorch's own error follows). Refused: other modes, antialiased downsampling, antialiased bicubic
+    (another kernel, renormalized at the border)."""
     b = bind(_INTERP_NAMES, args, kwargs)
     kind = b.get("mode", "nearest")
-    if kind not in ("nearest", "nearest-exact") and kind not in _LINEAR:
-        raise mode.unsupported(func, f"mode {kind!r} is not supported on sharded tensors",
-                               "Use mode 'nearest', 'nearest-exact', 'linear', 'bilinear' or 'trilinear'")
-    if kind in _LINEAR and _LINEAR[kind] != mode.dims:
+    if kind not in ("nearest", "nearest-exact") and kind not in _LINEAR and kind not in _CUBIC:
+        raise mode.unsupported(func, f"mode {kind!r} is not supported on sharded tensors", f"Use mode {_MODES}")
+    if {**_LINEAR, **_CUBIC}.get(kind, mode.dims) != mode.dims:
         return None  # PyTorch's own error for a mode of the wrong rank
     sizes, scales = resize_sizes(shape, b.get("size"), b.get("scale_factor"), b.get("recompute_scale_factor"))
+    if b.get("antialias") and kind in _CUBIC:
+        raise mode.unsupported(func, "antialiased bicubic resampling of a sharded map (another kernel, A = -0.5, its "
+                               "taps renormalized at the border) is not split", "Use antialias=False (the 2-pixel "
+                               "halo of plain bicubic), or resample a whole small tensor (a position embedding), "
+                               "which every shard computes whole and cuts")
     if b.get("antialias") and any(s < n for s, n in zip(sizes, shape)):
         raise mode.unsupported(func, "antialiased downsampling", "Use antialias=False, or pool instead")
-    tap_mode = "linear" if kind in _LINEAR else kind
+    tap_mode = "linear" if kind in _LINEAR else "cubic" if kind in _CUBIC else kind
     return [Resize(n, s, tap_mode, bool(b.get("align_corners")), sc) for n, s, sc in zip(shape, sizes, scales)]
 
 
@@ -357,22 +368,48 @@ def _interpolate(mode: RuleContext, func, args, kwargs):
     return whole(x) if maps is None else _index_map(mode, x, shape, maps, whole)
 
 
+def _first_copy(mode: RuleContext, out: torch.Tensor) -> torch.Tensor:
+    """``out``, a whole result every shard computed alike, as shard 0's copy (an all-gather from it; the others
+    send one element). Its backward brings every shard's cotangent to shard 0, which assembles the whole one (each
+    element from one shard: exact in any dtype) and runs the op's backward once, as one process does. Summing
+    each shard's own backward instead rounds differently where the op runs in float32 inside a float64 model
+    (timm's ``resample_abs_pos_embed`` casts to float32): 2e-7 in a position embedding's gradient, seen."""
+    workers = math.prod(mode.executor.grid)
+    if workers == 1:
+        return out
+    first = all(c == 0 for c in mode.executor.coord)
+    flat = out.reshape(-1)
+    parts = mode.executor.allgather(flat if first else flat[:1], "whole result from shard 0",
+                         [tuple(flat.shape)] + [(1,)] * (workers - 1))
+    return parts[0].view(out.shape)
+
+
 def _interpolate_whole(mode: RuleContext, func, args, kwargs, replicated: bool):
-    """A whole map (a pooled context vector, a replicated deep map) resized to a shardable size.
+    """A whole map (a pooled context vector, a replicated deep map, a ViT's position embedding) resized to a
+    shardable size.
 
     Each shard evaluates only its own outputs' taps on the whole input it already holds (ASPP's
     image pooling, PSP's pyramid, LRASPP's gate upsampled back to the image): no full-size map is
-    built, and no data moves.
+    built, and no data moves. A mode without taps here (timm's ``resample_abs_pos_embed``: bicubic with
+    antialias, in float32) runs whole, torch's own kernel on every shard, and each keeps its part: one
+    process's values bit for bit.
     """
     x = args[0] if args else kwargs["input"]
     if x.dim() != mode.dims + 2:
         return func(*args, **kwargs)
     shape = tuple(x.shape[2:])
-    maps = _resize_maps(mode, func, args, kwargs, shape)
-    out_shape = tuple(m.n_out for m in maps) if maps else None
-    if maps is None or not mode.executor.fits(out_shape) or not (replicated or out_shape in mode.known):
+    b = bind(_INTERP_NAMES, args, kwargs)
+    sizes, _ = resize_sizes(shape, b.get("size"), b.get("scale_factor"), b.get("recompute_scale_factor"))
+    out_shape = tuple(sizes)
+    if not mode.executor.fits(out_shape) or not (replicated or out_shape in mode.known):
         out = func(*args, **kwargs)
         return mode.after_replicated(out) if replicated else out
+    try:
+        maps = _resize_maps(mode, func, args, kwargs, shape)
+    except UnsupportedOperation:  # no taps for it: computed whole, this shard's part kept
+        return mark(mode.executor.local_part(_first_copy(mode, func(*args, **kwargs)), out_shape), out_shape)
+    if maps is None:
+        return func(*args, **kwargs)
     box = shard_box(out_shape, mode.executor.grid, mode.executor.coord)
     taps = [m.taps(o) for m, o in zip(maps, box)]
     return mark(_apply_taps(x, taps, mode.dims), out_shape)

@@ -39,6 +39,7 @@ from .context import RuleContext
 from .dims import neg_dims, nonneg_dims
 from .shards import (
     WHOLE_WINDOWS_ATTR,
+    AttentionNote,
     WindowGrid,
     bind,
     global_shape,
@@ -119,9 +120,11 @@ def reshape_map(mode: RuleContext, func, x: torch.Tensor, target: list):
             out_spatial[axes[0]] = outs[0]
             out_shape[axes[0]] = target[outs[0]]
             merges[axes[0]] = size[ins[1]]
-        elif (len(outs) == 1 and len(axes) == mode.dims and axes == list(range(mode.dims))
-              and list(ins)[-mode.dims:] == spatial):  # (lead, nH, nW) -> lead * nH * nW: windows as positions
-            flat = (outs[0], math.prod(size[p] for p in ins if p not in axis_of))
+        elif (len(axes) == mode.dims and axes == list(range(mode.dims)) and list(ins)[-mode.dims:] == spatial
+              and target[outs[-1]] % math.prod(shape) == 0):
+            # (lead, nH, nW) -> lead * nH * nW: windows as positions; with outer factors of the lead split off in
+            # dims of their own (Hiera's Unroll: (B * 64, nH, nW) -> (B, 64 * nH * nW))
+            flat = (outs[-1], target[outs[-1]] // math.prod(shape))
         else:
             return None
     if flat is not None:
@@ -366,24 +369,29 @@ def _factory(mode: RuleContext, func, args, kwargs):
 
 
 def _getitem(mode: RuleContext, func, args, kwargs):
-    """``qkv[0]``: ints and slices of dims other than the positions."""
+    """``qkv[0]``: ints and slices of dims other than the positions, and new dims (``None``: SAM's
+    ``rel_h[:, :, :, :, None]``)."""
     x, index = args[0], args[1]
     shape, pos = _pos(x)
     index = index if isinstance(index, tuple) else (index,)
+    used = sum(i is not None for i in index) - (Ellipsis in index)
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (x.dim() - len(index) + 1) + index[at + 1:]
-    index = index + (slice(None),) * (x.dim() - len(index))
-    out_pos, removed = None, 0
-    for d, i in enumerate(index):
-        if i is None or not isinstance(i, (int, slice)):
-            raise _refuse(mode, func, "it indexes with tensors or new dims")
+        index = index[:at] + (slice(None),) * (x.dim() - used) + index[at + 1:]
+    index = index + (slice(None),) * (x.dim() - sum(i is not None for i in index))
+    out_pos, out_dim, d = None, 0, 0
+    for i in index:
+        if i is None:
+            out_dim += 1
+            continue
+        if not isinstance(i, (int, slice)):
+            raise _refuse(mode, func, "it indexes with tensors")
         if d == pos:
             if i != slice(None):
                 raise _refuse(mode, func, "it indexes the positions themselves")
-            out_pos = d - removed
-        elif isinstance(i, int):
-            removed += 1
+            out_pos = out_dim
+        out_dim += not isinstance(i, int)
+        d += 1
     out = func(*args, **kwargs)
     return mark_positions(out, shape, out_pos - out.dim())
 
@@ -408,8 +416,11 @@ def _unbind(mode: RuleContext, func, args, kwargs):
 def _per_item(mode: RuleContext, func, args, kwargs):
     """A convolution or pooling of windows held as its batch (HIPT's regions, ``(B * nW, C, r, r)``, through
     ViT-256's patch embedding): each item of the batch on its own, so per position; weights and bias whole."""
-    x = bind(("input",), args, kwargs)["input"]
+    b = bind(("input", "weight", "bias", "stride", "padding", "dilation"), args, kwargs)
+    x = b["input"]
     shape, pos = _pos(x)
+    if pos != 0 and _pointwise_conv1d(func, b, x, pos):  # a 1x1 Conv1d along the positions: per position too
+        return _mark_all(func(*args, **kwargs), shape, pos)
     if pos != 0:
         raise _refuse(mode, func, "the positions are not its batch dim (it would act along them)")
     if any(positions(t) is not None for t in tree_flatten((args[1:], kwargs))[0] if t is not x):
@@ -447,6 +458,16 @@ def _cat(mode: RuleContext, func, args, kwargs):
     return mark_positions(func(parts, dim), shape, pos - n)
 
 
+def _pointwise_conv1d(func, b: dict, x: torch.Tensor, pos: int) -> bool:
+    """A ``Conv1d`` of kernel 1, stride 1, no padding over ``(N, C, positions)``: a matrix at each position."""
+    import torch.nn.functional as F
+
+    weight = b.get("weight")
+    return (func is F.conv1d and x.dim() == 3 and pos == 2 and isinstance(weight, torch.Tensor)
+            and positions(weight) is None and weight.shape[-1] == 1 and b.get("stride", 1) in (1, (1,))
+            and b.get("padding", 0) in (0, (0,), "valid", "same"))
+
+
 def _mark_all(out, shape, pos: int):
     """Every tensor output marked as flattened positions in dim ``pos`` (>= 0) (a pooling's indices too)."""
     for t in tree_flatten(out)[0]:
@@ -474,6 +495,7 @@ def _sdpa(mode: RuleContext, func, args, kwargs):
     if isinstance(mask, torch.Tensor) and positions(mask) is None and mask.dim() >= -dim and mask.shape[dim] != 1:
         b["attn_mask"] = local_windows(mode, mask, shape, dim)
     out = func(**{("query" if n == "query" else n): b[n] for n in names if n in b})
+    mode.note_attention(AttentionNote("windows"))
     return mark_positions(out, shape, dim)
 
 
