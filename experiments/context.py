@@ -651,7 +651,7 @@ def main(argv=None) -> None:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.trials_only and args.report:
         parser.error("--trials-only trains, --report does not: give one of them")
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report", "jobs",
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "tissue", "figure", "report", "jobs",
                                                                  "trials_only")
              and v is not None}
     if args.report and args.out is None and not args.quick:

@@ -324,6 +324,6 @@ def colour_control(layout: TissueLayout, task: str, n_train: int, n_test: int, s
     Xtr, ytr = feats("fit", n_train, seed * 1_000_003)
     Xte, yte = feats("test", n_test, seed * 1_000_003 + 500_000)
     clf = make_pipeline(StandardScaler(), LogisticRegression(C=0.1, max_iter=2000)).fit(Xtr, ytr)
-    half = 1.96 * 0.5 / np.sqrt(n_test)
+    half = float(1.96 * 0.5 / np.sqrt(n_test))
     return {"accuracy": float(clf.score(Xte, yte)), "train_accuracy": float(clf.score(Xtr, ytr)),
             "chance_band": [0.5 - half, 0.5 + half], "n_train": n_train, "n_test": n_test}
