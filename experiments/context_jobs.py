@@ -10,7 +10,9 @@ output and recorded nowhere; the others go on, and the sweep raises at the end n
 Pausing: the children and their World's workers stay in the sweep's process group, so ``kill -STOP -- -PGID``
 pauses the whole sweep at once and ``kill -CONT -- -PGID`` resumes it. Time spent stopped does not count towards
 a run's timeout: a poll that finds more than ``PAUSE_GAP`` seconds since the last one (the parent was stopped too)
-moves every running run's start forward by that gap. A run is stopped with its whole process tree (``_stop``).
+moves every running run's start forward by that gap; ``cpu_timeout`` bounds a run by the CPU its process tree used,
+which neither a pause nor a starved share (``nice``) inflates. A run is stopped with its whole process tree
+(``_stop``).
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], None], echo=print,
-             poll: float = 0.2, timeout: float | None = None, child: str = CHILD) -> None:
+             poll: float = 0.2, timeout: float | None = None, child: str = CHILD,
+             cpu_timeout: float | None = None) -> None:
     """Run every job, at most ``width`` slots busy at once (a job wider than ``width`` runs alone); ``done(job,
-    result, seconds)`` as each ends. A job still running after ``timeout`` seconds (time paused excluded) is
-    stopped with its own processes (a World's workers) and counted failed. Raises ``RunFailed`` naming every job
-    that failed, after the others. ``child``: the Python code each run's process executes."""
+    result, seconds)`` as each ends. A job still running after ``timeout`` seconds (time paused excluded), or whose
+    process tree has used more than ``cpu_timeout`` CPU seconds (what a run costs, however starved or paused it
+    was), is stopped with its own processes (a World's workers) and counted failed. Raises ``RunFailed`` naming
+    every job that failed, after the others. ``child``: the Python code each run's process executes."""
     if width < 1:
         raise ValueError(f"jobs must be a positive integer, got {width!r}")
     queue = list(jobs)
@@ -71,6 +75,8 @@ def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], Non
     # outlives the sweep; the records already written stay, and a rerun goes on from them.
     old = signal.signal(signal.SIGTERM, _raise_exit)
     last = time.perf_counter()
+    used: dict[int, float] = {}  # CPU seconds of each run's process tree, sampled every CPU_POLL seconds
+    sampled = 0.0
     try:
         while queue or running:
             busy = sum(min(j.slots, width) for j, *_ in running)
@@ -91,12 +97,18 @@ def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], Non
             if now - last > PAUSE_GAP:  # the sweep was stopped (SIGSTOP) for this long: the runs were too
                 running = [(j, p, lg, t0 + (now - last)) for j, p, lg, t0 in running]
             last = now
-            for item in [r for r in running if r[1].poll() is not None or (timeout and now - r[3] > timeout)]:
+            if cpu_timeout and now - sampled > CPU_POLL:
+                used = {p.pid: _tree_cpu(p.pid) for _, p, _, _ in running}
+                sampled = now
+            for item in [r for r in running if r[1].poll() is not None or (timeout and now - r[3] > timeout)
+                         or (cpu_timeout and used.get(r[1].pid, 0.0) > cpu_timeout)]:
                 running.remove(item)
                 job, proc, log, t0 = item
                 if proc.poll() is None:
                     _stop(proc)
-                    why = f"still running after its {timeout:g} s, stopped with its workers"
+                    why = (f"still running after its {timeout:g} s, stopped with its workers"
+                           if timeout and now - t0 > timeout else
+                           f"used more than its {cpu_timeout:g} CPU seconds, stopped with its workers")
                 else:
                     why = f"exit status {proc.returncode}"
                 result = _result(log) if proc.returncode == 0 else None
@@ -115,6 +127,29 @@ def run_jobs(jobs: list[Job], width: int, done: Callable[[Job, dict, float], Non
     if failed:
         raise RunFailed(f"{len(failed)} run(s) failed; the others are recorded, and a rerun retries only these:\n"
                         + "\n".join(failed))
+
+
+CPU_POLL = 5.0
+"""Seconds between two samples of the runs' CPU time (``cpu_timeout``)."""
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds used by a process, its reaped children and its live descendants (0 once it is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        t = root.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system
+        for c in root.children(recursive=True):
+            try:
+                ct = c.cpu_times()
+                total += ct.user + ct.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 def _stop(proc: subprocess.Popen) -> None:

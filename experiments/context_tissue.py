@@ -394,7 +394,7 @@ class _Runner:
                     s.processes if m == "whole" else 1, f"{t} {m} seed {k} lr {lr:g} ({role})", (t, m, k, lr, role))
                 for t, m, k, lr, role in items]
         run_jobs(jobs, self.jobs, lambda job, r, _: new.append(self.record(*job.item, r)), echo=self.echo,
-                 timeout=RUN_TIMEOUT, child=CHILD)
+                 child=CHILD, cpu_timeout=RUN_CPU_TIMEOUT)
         return new
 
     def _here(self, task, method, seed, lr, role) -> dict:
@@ -429,8 +429,11 @@ class _Runner:
             self.world.close()
 
 
-RUN_TIMEOUT = 6 * 3600
-"""Seconds a ``--jobs`` run may take, time paused excluded (the longest measured: see docs/context.md)."""
+RUN_CPU_TIMEOUT = 4 * 3600
+"""CPU seconds (its process tree's) a ``--jobs`` run may use before it is stopped and named: about 5x the costliest
+run's estimate (a whole-image run to the cap, ~0.45 core-s a step). Not wall time: the sweep runs at ``nice 19`` on a
+shared host and may be paused (SIGSTOP), so a run's wall time says nothing of whether it is stuck; a stuck
+whole-image run is ended by its World's own wait limit (``world_timeout``)."""
 CHILD = "from experiments.context_tissue import child; child()"
 
 
