@@ -472,6 +472,15 @@ def _longest_first(items: list[tuple]) -> list[tuple]:
     return sorted(items, key=lambda i: COST_ORDER.index(i[1]))
 
 
+def _informative_first(items: list[tuple], s: TissueSetting) -> list[tuple]:
+    """Tuning runs in the order that tells most soonest: every (task, method) at the grid's middle rate with the
+    first tuning seed, then the next rate out, and so on (longest runs first within each); the records do not
+    depend on the order."""
+    mid = math.log(s.lrs[len(s.lrs) // 2])
+    return sorted(items, key=lambda i: (round(abs(math.log(i[3]) - mid), 3), s.tune_seeds.index(i[2])
+                                        if i[2] in s.tune_seeds else 0, COST_ORDER.index(i[1]), i[0]))
+
+
 def sweep(s: TissueSetting, echo=print, jobs: int = 1, tuning_only: bool = False) -> list[dict]:
     """Tuning rounds until every (task, method) has its final choice (a ``selection`` record each), then every
     fresh run not yet recorded. Resumable: recorded runs are skipped."""
@@ -485,7 +494,7 @@ def sweep(s: TissueSetting, echo=print, jobs: int = 1, tuning_only: bool = False
             if not todo:
                 break
             echo(f"tuning round {round_}: {len(todo)} run(s)")
-            new += run.run(_longest_first(todo))
+            new += run.run(_informative_first(todo, s))
         recs = records.load(s.out) if os.path.exists(s.out) else []
         chosen = {}
         for t in s.tasks:
