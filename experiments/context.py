@@ -4,6 +4,7 @@
     python -m experiments.context --report     # the committed results/context.jsonl's table and figure
     python -m experiments.context              # the first sweep: 1024², 3 seeds x 4 dials x 3 methods -> runs/
     python -m experiments.context --scaled     # issue 35's sweep: 256², 3 tasks, 5 methods, 5 seeds, chosen lrs
+    python -m experiments.context --tissue     # issue 54's: real tissue, converged (experiments.context_tissue)
 
 The data (``experiments.context_data``): two 8-pixel real MNIST digits ``dial`` tiles apart on one row of
 a black image. Task ``order``: a 6 and a 9, label 1 iff the 6 is left. Task ``same``: two of {3, 5, 8},
@@ -593,8 +594,18 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def main(argv=None) -> None:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--tissue" in argv:  # issue 54's benchmark on real tissue: its own options (experiments.context_tissue)
+        from experiments import context_tissue
+
+        return context_tissue.main([a for a in argv if a != "--tissue"])
     parser = cli.parser("experiments.context", __doc__)
     scale = parser.add_mutually_exclusive_group()
+    scale.add_argument("--tissue", action="store_true",
+                       help="issue 54's benchmark on real H&E tissue (experiments.context_tissue; its own options: "
+                            "--tissue --help)")
     scale.add_argument("--quick", action="store_true",
                        help="128² images, 1 seed, 2 dials, 6 steps, every method: a smoke run (about a minute)")
     scale.add_argument("--scaled", action="store_true",
@@ -640,7 +651,7 @@ def main(argv=None) -> None:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
     if args.trials_only and args.report:
         parser.error("--trials-only trains, --report does not: give one of them")
-    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "figure", "report", "jobs",
+    given = {k: v for k, v in vars(args).items() if k not in ("quick", "scaled", "tissue", "figure", "report", "jobs",
                                                                  "trials_only")
              and v is not None}
     if args.report and args.out is None and not args.quick:

@@ -16,7 +16,7 @@ class ContextCNN(nn.Module):
     STRIDE = 32
     """Total downsampling of the trunk with the default stem (stride 4 x three 2x pools)."""
 
-    def __init__(self, width: int = 16, num_classes: int = 2, stem: int = 4) -> None:
+    def __init__(self, width: int = 16, num_classes: int = 2, stem: int = 4, in_channels: int = 1) -> None:
         super().__init__()
         self.stride = stem * 8
         """Total downsampling: the stem's stride times three 2x pools (``STRIDE`` with the default stem)."""
@@ -25,7 +25,7 @@ class ContextCNN(nn.Module):
             return [nn.Conv2d(c_in, width, 3, padding=dilation, dilation=dilation), nn.BatchNorm2d(width),
                     nn.ReLU()]
 
-        layers = [nn.Conv2d(1, width, stem, stride=stem), nn.BatchNorm2d(width), nn.ReLU()]
+        layers = [nn.Conv2d(in_channels, width, stem, stride=stem), nn.BatchNorm2d(width), nn.ReLU()]
         for _ in range(3):
             layers += [*block(width), nn.MaxPool2d(2)]
         for d in (1, 2, 4, 8):
@@ -42,14 +42,15 @@ class ContextCNN(nn.Module):
 
 
 class TileMIL(nn.Module):
-    """The CNN embeds every tile; torchmil's attention-MIL head (ABMIL) pools the bag into one logit."""
+    """The CNN embeds every tile; torchmil's attention-MIL head (ABMIL) pools the bag into one logit.
+    ``att_dim``: the attention's width (None: ``width``, the first sweeps'; torchmil's default is 128)."""
 
-    def __init__(self, cnn: ContextCNN, width: int) -> None:
+    def __init__(self, cnn: ContextCNN, width: int, att_dim: int | None = None) -> None:
         super().__init__()
         from torchmil.models import ABMIL
 
         self.cnn = cnn
-        self.abmil = ABMIL(in_shape=(width,), att_dim=width)
+        self.abmil = ABMIL(in_shape=(width,), att_dim=att_dim or width)
 
     def forward(self, bags: torch.Tensor) -> torch.Tensor:
         n, k = bags.shape[:2]
@@ -68,12 +69,14 @@ class TileTransMIL(nn.Module):
     a square, row-major: with ``experiments.context_data.tiles``' row-major bag of a square grid, that square
     is the image's own grid of tiles, so the head sees where each tile lies."""
 
-    def __init__(self, cnn: ContextCNN, width: int) -> None:
+    def __init__(self, cnn: ContextCNN, width: int, att_dim: int | None = None) -> None:
         super().__init__()
         from torchmil.models import TransMIL
 
         self.cnn = cnn
-        self.head = TransMIL(in_shape=(width,), att_dim=width, n_heads=4)
+        # att_dim None: ``width`` (the first sweeps'); TransMIL's standard width (the paper's, torchmil's default)
+        # is 512
+        self.head = TransMIL(in_shape=(width,), att_dim=att_dim or width, n_heads=4)
 
     def forward(self, bags: torch.Tensor) -> torch.Tensor:
         return self.head(_embed_bag(self.cnn, bags))

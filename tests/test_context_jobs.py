@@ -77,3 +77,21 @@ def test_a_run_past_its_timeout_is_stopped_and_named(tmp_path):
     with pytest.raises(RunFailed, match=r"slow run \(still running after its 3 s, stopped with its workers\)"):
         run_jobs([Job(spec, 1, "slow run")], 1, lambda *a: None, echo=lambda m: None, timeout=3)
     assert time.perf_counter() - t0 < 60
+
+
+@pytest.mark.timeout(180)
+def test_a_run_past_its_cpu_limit_is_stopped_and_a_sleeping_one_is_not(monkeypatch):
+    """The tissue sweep bounds a run by the CPU its process tree used, not by wall time (a paused or starved
+    sweep's runs take long without being stuck): a busy child past the limit is stopped and named, a child that
+    sleeps longer than the limit in wall time finishes."""
+    from experiments import context_jobs
+
+    monkeypatch.setattr(context_jobs, "CPU_POLL", 0.5)
+    busy = "import sys\nsys.stdin.read()\nwhile True: pass\n"
+    done = []
+    with pytest.raises(RunFailed, match=r"busy run \(used more than its 1.5 CPU seconds, stopped with its workers\)"):
+        run_jobs([Job({}, 1, "busy run")], 1, lambda *a: None, echo=lambda m: None, child=busy, cpu_timeout=1.5)
+    sleepy = "import sys, time\nsys.stdin.read()\ntime.sleep(3)\nprint('context-run-result: {}')\n"
+    run_jobs([Job({}, 1, "sleepy run")], 1, lambda job, r, t: done.append(t), echo=lambda m: None, child=sleepy,
+             cpu_timeout=1.5)
+    assert len(done) == 1 and done[0] >= 3
