@@ -103,9 +103,7 @@ def _workspace(tmp_path: Path) -> Path:
         (tmp_path / name).symlink_to(ROOT / name)
     for name in ("figures", "runs"):
         (tmp_path / name).mkdir()
-    venv = tmp_path / ".venv" / "bin"
-    venv.mkdir(parents=True)
-    (venv / "python").symlink_to(sys.executable)
+    (tmp_path / ".venv").symlink_to(sys.prefix)  # the whole environment: a lone python link would lose it
     return tmp_path
 
 
