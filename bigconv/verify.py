@@ -36,17 +36,19 @@ Allowances:
 - a *residue*: a parameter gradient, weight or optimizer state that the noise runs leave undetermined (they
   move it by at least ``RESIDUE_NOISE`` of its own size: no significant digit, the remainder of a sum that
   cancels exactly, such as the gradient of a bias before a BatchNorm, zero in exact arithmetic) and whose
-  size is at most ``tol`` of the largest tensor of its kind, may differ by ``NOISE_FACTOR`` times its noise
-  and still reads exact; residues are listed. They are recognised only when every noise run left the
-  output, input gradient and losses within ``tol`` of their size, so a noise run that is not rounding
-  (other random masks) can never make one. No other floor exists: a tensor the noise runs determined
+  size is at most ``tol`` of the largest tensor of its kind, may differ by ``NOISE_FACTOR`` times the larger of
+  its noise and its own size (both are a remainder's size: another order of the sums leaves another remainder
+  of that size, of either sign) and still reads exact; residues are listed. They are recognised only when
+  every noise run left the output and the losses within ``tol`` of their size and every parameter gradient
+  within ``tol`` of the largest, so a noise run that is not rounding (other random masks, a backward that
+  went another way) can never make one. No other floor exists: a tensor the noise runs determined
   (its noise far below its size) is judged against ``tol`` of its own size however small it is beside
   the largest of its kind, so a sign flip or a zeroing of it is never exact.
 
 Where the first two noise runs leave some parameter gradient, weight or optimizer state bit-identical (a
 batch of two reversed adds the same two partial sums; channels-last in 3D runs the same kernels), a third
 runs with every sum over positions and the batch inside normalizations and symmetric convolutions taken in
-mirrored order (``MirroredSums``), so that a remainder the decomposition moves is measured, not assumed.
+mirrored order (``mirror_sums``), so that a remainder the decomposition moves is measured, not assumed.
 
 Optimizer state (momentum buffers, Adam's moments) is judged after the steps like the weights, and every
 worker's (replica's) weights, buffers and optimizer state must equal the first's bit for bit: a
@@ -55,7 +57,6 @@ disagreement names the tensor, the workers and its size.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -63,7 +64,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from .data.sources import SourceBatch, is_source_batch, read_targets
 from .engine.dry_run import copy_model
@@ -89,103 +89,74 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 MIRRORED = "mirrored sums"
+_NORMS = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm, torch.nn.GroupNorm)
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
-class MirroredSums(TorchFunctionMode):
-    """A noise run's view of the model: every normalization (batch, instance, group, layer norm) and every
-    convolution whose windows tile a dim symmetrically sees its input mirrored (the batch and those dims
-    reversed; a layer norm's normalized dims, with its affine weights) and gives its output back mirrored.
-    In exact arithmetic nothing changes; in floating point each sum over positions and the batch runs in
-    the other order, forward and (through the mirrors) backward, as a decomposition's shard sums reorder
-    them. A convolution's dim is mirrored only where its output windows are the mirror image of each other
-    (``(size + 2 * padding - dilation * (kernel - 1) - 1) % stride == 0``, 'same' padding of an even total)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        rule = _MIRROR_RULES.get(func)
-        if rule is not None:
-            bound = _bind(rule[0], args, kwargs)
-            if bound is not None:
-                done = rule[1](func, bound)
-                if done is not None:
-                    return done
-        return func(*args, **kwargs)
-
-
-def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict | None:
-    if len(args) > len(names) or any(k not in names for k in kwargs):
-        return None
-    return {**dict(zip(names, args)), **kwargs}
+def mirror_sums(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a noise run's own copy) with every sum over positions and the batch taken in mirrored order:
+    each normalization (batch, instance, group norm; layer norm over its normalized dims, with its affine
+    weights) and each convolution along the dims its windows tile symmetrically sees its input mirrored (the
+    batch and those dims reversed) and gives its output back mirrored. In exact arithmetic nothing changes; in
+    floating point each of those sums runs in the other order, forward and, through the mirrors, backward, as
+    a decomposition's shard sums reorder them. The modules' own ``forward`` is replaced on this copy, so
+    activation checkpointing's recompute mirrors as the forward did. A convolution's dim is mirrored only
+    where its output windows are the mirror image of each other (``(size + 2 * padding - dilation * (kernel -
+    1) - 1) % stride == 0``; 'same' padding of an even total)."""
+    for module in model.modules():
+        if isinstance(module, _NORMS):
+            module.forward = _mirrored_norm(module.forward)
+        elif isinstance(module, torch.nn.LayerNorm):
+            module.forward = _mirrored_layer_norm(module)
+        elif isinstance(module, _CONVS):
+            module.forward = _mirrored_conv(module)
+    return model
 
 
-def _mirror_norm(dims_of: Callable[[torch.Tensor], list[int]]) -> Callable:
-    def rule(func, bound: dict):
-        x = bound.get("input")
+def _mirrored_norm(forward: Callable) -> Callable:
+    def mirrored(x):
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return None
-        dims = dims_of(x)
-        return func(**{**bound, "input": x.flip(dims)}).flip(dims)
-    return rule
+            return forward(x)
+        dims = [0, *range(2, x.dim())]
+        return forward(x.flip(dims)).flip(dims)
+    return mirrored
 
 
-def _mirror_layer_norm(func, bound: dict):
-    x, shape = bound.get("input"), bound.get("normalized_shape")
-    if not isinstance(x, torch.Tensor) or shape is None:
-        return None
-    k = len(shape) if isinstance(shape, (tuple, list, torch.Size)) else 1
-    dims = list(range(x.dim() - k, x.dim()))
-    local = list(range(k))
-    mirrored = {**bound, "input": x.flip(dims)}
-    for name in ("weight", "bias"):
-        if isinstance(bound.get(name), torch.Tensor):
-            mirrored[name] = bound[name].flip(local)
-    return func(**mirrored).flip(dims)
+def _mirrored_layer_norm(module: torch.nn.LayerNorm) -> Callable:
+    def mirrored(x):
+        k = len(module.normalized_shape)
+        dims, local = list(range(x.dim() - k, x.dim())), list(range(k))
+        weight = module.weight.flip(local) if module.weight is not None else None
+        bias = module.bias.flip(local) if module.bias is not None else None
+        return F.layer_norm(x.flip(dims), module.normalized_shape, weight, bias, module.eps).flip(dims)
+    return mirrored
 
 
-def _symmetric_dims(x: torch.Tensor, w: torch.Tensor, bound: dict) -> list[int]:
-    n = w.dim() - 2
+def _symmetric_dims(x: torch.Tensor, conv: torch.nn.modules.conv._ConvNd) -> list[int]:
+    """The dims of ``x`` along which ``conv``'s output windows are the mirror image of each other."""
+    n = len(conv.kernel_size)
     first = x.dim() - n  # 1 for an unbatched input, 2 for a batched one
-    def per_dim(value, default):
-        value = bound.get(value, default)
-        return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-    stride, dilation = per_dim("stride", 1), per_dim("dilation", 1)
-    padding = bound.get("padding", 0)
     dims = []
     for i in range(n):
-        size, span = x.shape[first + i], dilation[i] * (w.shape[2 + i] - 1)
-        if padding == "same":
+        size, span = x.shape[first + i], conv.dilation[i] * (conv.kernel_size[i] - 1)
+        if conv.padding == "same":
             ok = span % 2 == 0
         else:
-            p = 0 if padding == "valid" else (tuple(padding) if isinstance(padding, (tuple, list)) else (padding,) * n)[i]
-            ok = (size + 2 * p - span - 1) % stride[i] == 0
+            p = 0 if conv.padding == "valid" else conv.padding[i]
+            ok = (size + 2 * p - span - 1) % conv.stride[i] == 0
         if ok:
             dims.append(first + i)
     return dims
 
 
-def _mirror_conv(func, bound: dict):
-    x, w = bound.get("input"), bound.get("weight")
-    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() < w.dim() - 1:
-        return None
-    dims = _symmetric_dims(x, w, bound)
-    batch = [0] if x.dim() == w.dim() else []
-    wdims = [d - (x.dim() - w.dim()) for d in dims]
-    return func(**{**bound, "input": x.flip(batch + dims), "weight": w.flip(wdims)}).flip(batch + dims)
-
-
-_BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
-_INSTANCE_NORM = ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps")
-_GROUP_NORM = ("input", "num_groups", "weight", "bias", "eps")
-_LAYER_NORM = ("input", "normalized_shape", "weight", "bias", "eps")
-_CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-_BATCH_AND_POSITIONS = _mirror_norm(lambda x: [0, *range(2, x.dim())])
-_MIRROR_RULES = {
-    F.batch_norm: (_BATCH_NORM, _BATCH_AND_POSITIONS),
-    F.instance_norm: (_INSTANCE_NORM, _BATCH_AND_POSITIONS),
-    F.group_norm: (_GROUP_NORM, _BATCH_AND_POSITIONS),
-    F.layer_norm: (_LAYER_NORM, _mirror_layer_norm),
-    **{conv: (_CONV, _mirror_conv) for conv in (F.conv1d, F.conv2d, F.conv3d)},
-}
+def _mirrored_conv(conv: torch.nn.modules.conv._ConvNd) -> Callable:
+    def mirrored(x):
+        dims = _symmetric_dims(x, conv)
+        n = len(conv.kernel_size)
+        batch = [0] if x.dim() == n + 2 else []
+        wdims = [d - (x.dim() - n) + 2 for d in dims]
+        return conv._conv_forward(x.flip(batch + dims), conv.weight.flip(wdims), conv.bias).flip(batch + dims)
+    return mirrored
 
 
 def abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -285,8 +256,8 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     Both sides run a training forward first, so buffers such as running statistics advance alike.
     Random draws in the forward (dropout, stochastic depth) are those of a model parallelized with
     ``seed`` (``bigconv.ops.random``), forward by forward. ``memory_format``: the model and input in
-    that layout (a noise run: the same values, other kernels); ``mirrored``: under ``MirroredSums`` (a noise
-    run: the same values, sums over positions in mirrored order).
+    that layout (a noise run: the same values, other kernels); ``mirrored``: ``mirror_sums`` applied to it (a
+    noise run: the same values, sums over positions in mirrored order).
     """
     opt_kwargs = _opt_kwargs(optimizer, opt_kwargs)
     _one_process_sync_batchnorm(model)
@@ -296,6 +267,8 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     draws = RandomDraws(seed)
     drew = False
     plain = unwrap_compiled(model)[0]  # torch.compile(model): the names are the module's own
+    if mirrored:
+        mirror_sums(plain)
     spreads: dict = {}
     hooks = [m.register_forward_pre_hook(_spread_hook(name, spreads)) for name, m in plain.named_modules()
              if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -303,11 +276,22 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     def forward(inp):
         nonlocal drew
         context = draws.forward()
-        with context, (MirroredSums() if mirrored else contextlib.nullcontext()):
+        with context:
             out = model(inp)
         drew = drew or context.draws.count > 0
         return out
 
+    output, xr, param_grads, losses, opt = _run_steps(model, plain, forward, x, y, loss_fn, steps, optimizer,
+                                                      opt_kwargs)
+    for hook in hooks:
+        hook.remove()
+    names = [n for n, _ in plain.named_parameters()]
+    return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew, spreads,
+               optimizer_tensors(opt.state_dict(), names))
+
+
+def _run_steps(model, plain, forward, x, y, loss_fn, steps, optimizer, opt_kwargs):
+    """``train_single``'s sequence: a forward, the gradients of a second, ``steps`` optimizer steps."""
     with torch.no_grad():
         output = forward(x)
     xr = x.detach().clone().requires_grad_(True)
@@ -318,15 +302,11 @@ def train_single(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, 
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = loss_fn(forward(x), y)  # backward follows the forward's mirrors
+        loss = loss_fn(forward(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    for hook in hooks:
-        hook.remove()
-    names = [n for n, _ in plain.named_parameters()]
-    return Run(output, xr.grad, param_grads, losses, plain.state_dict(), drew, spreads,
-               optimizer_tensors(opt.state_dict(), names))
+    return output, xr, param_grads, losses, opt
 
 
 def _spread_hook(name: str, spreads: dict) -> Callable:
@@ -358,8 +338,8 @@ class Reference:
     """One process's run and what rounding alone moves each of its tensors by.
 
     ``noise``: (category, name) -> the largest max-norm difference from ``run`` over the noise runs
-    (``reorderings`` names them); ``rounding_only``: whether every noise run left the output, the input
-    gradient and each loss within ``tol`` of its size (else no tensor counts as a residue)."""
+    (``reorderings`` names them); ``rounding_only``: whether every noise run moved the tensors only as rounding
+    does (``_rounding``; else no tensor counts as a residue)."""
 
     run: Run
     noise: dict
@@ -433,6 +413,7 @@ def reference(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ste
             yield MIRRORED, _noise_run(MIRRORED, lambda: train_single(copy_model(model), x, y, loss_fn, steps,
                                                                       optimizer, opt_kwargs, seed, mirrored=True))
 
+    largest_grad = max((_scale(g) for g in run.param_grads.values() if g.is_floating_point()), default=0.0)
     for name, other in itertools.chain(reordered_runs(model, x, y, loss_fn, run, steps, optimizer, opt_kwargs, seed),
                                        mirrored()):
         names.append(name)
@@ -442,10 +423,22 @@ def reference(model: torch.nn.Module, x: torch.Tensor, y, loss_fn: Callable, ste
                 continue
             moved = abs_err(theirs[key], want) if key in theirs else math.inf  # a gradient only one order has
             noise[key] = max(noise[key], moved)
-            if key[0] in NEVER_FLOORED and not moved <= tol * _scale(want):
+            if not _rounding(key, moved, want, tol, largest_grad):
                 rounding_only = False
         del other, theirs
     return Reference(run, noise, names, rounding_only)
+
+
+def _rounding(key: tuple[str, str], moved: float, want: torch.Tensor, tol: float, largest_grad: float) -> bool:
+    """Whether a noise run's movement of one tensor is what rounding does to a run: the output and each loss
+    within ``tol`` of their size, every parameter gradient within ``tol`` of the largest (a backward that went
+    another way moves them further). The input gradient is left out: rounding alone sends it to another of
+    tied maxima (a global max pool), which says nothing about the sums a residue is the remainder of."""
+    if key[0] in ("forward", "loss"):
+        return moved <= tol * _scale(want)
+    if key[0] == "param_grads":
+        return moved <= tol * largest_grad
+    return True
 
 
 def _tol(model: torch.nn.Module, x: torch.Tensor) -> float:
@@ -517,8 +510,9 @@ def tensor_error(category: str, name: str, got: torch.Tensor | None, ref: torch.
         allowed = max(tol * scale, NOISE_FACTOR * noise)
         status = "ok" if error <= tol * scale else "ill-conditioned" if error <= allowed else "wrong"
     elif residue_scale is not None and noise >= RESIDUE_NOISE * scale and scale <= tol * residue_scale:
-        # Undetermined (no significant digit survives the noise runs) and small: a sum that cancels exactly.
-        allowed = NOISE_FACTOR * noise
+        # Undetermined (no significant digit survives the noise runs) and small: a sum that cancels exactly. Its
+        # size is a remainder's as much as its noise is: another order of the sums leaves another of that size.
+        allowed = NOISE_FACTOR * max(noise, scale)
         status = "residue" if error <= allowed else "wrong"
     else:
         allowed = max(tol * scale, NOISE_FACTOR * noise)

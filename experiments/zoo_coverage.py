@@ -270,9 +270,10 @@ def _note(rec: dict) -> str:
         return "; ".join(parts)
     if rec["status"] in ("exact", "mismatch"):
         e = rec["errors"]
+        keys = [k for k in ERROR_KEYS if k in e]  # records before the verdict judged optimizer state have none
         if rec["status"] == "exact":
-            return f"max rel. error {max(e[k] for k in ERROR_KEYS):.1e}"
-        bad = [f"{k} {_value(e[k]):.1e}" for k in ERROR_KEYS if not _within(e[k], TOL)]
+            return f"max rel. error {max(e[k] for k in keys):.1e}"
+        bad = [f"{k} {_value(e[k]):.1e}" for k in keys if not _within(e[k], TOL)]
         return "; ".join(bad + [k for k in ("replicas_equal", "keys_match") if not e.get(k)])
     first = (rec.get("error") or "").strip().splitlines()
     text = f"{rec.get('error_type')}: {first[0] if first else ''}"
