@@ -30,7 +30,7 @@ def run_check(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(600)
 def test_a_decomposable_zoo_model_reports_layers_memory_and_exactness():
     done = run_check("torchvision:resnet18:num_classes=3", "--input", "1x3x512x512", "--workers", "4", "--json",
-                     "--memory-edges", "64,128", "--exact-size", "32", "--exact-workers", "2")
+                     "--memory-edges", "64,128", "--exact-size", "64", "--exact-workers", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout)
     assert r["decomposable"] and r["refusal"] is None and r["grid"] == [2, 2]

@@ -91,8 +91,8 @@ def _from_file(path: Path, function: str) -> nn.Module:
 
 
 OPTIMIZERS = {
-    "sgd": ("SGD", {"lr": 0.05}),
-    "momentum": ("SGD", {"lr": 0.05, "momentum": 0.9}),
+    "sgd": ("SGD", {"lr": 0.01}),
+    "momentum": ("SGD", {"lr": 0.01, "momentum": 0.9}),
     "adam": ("Adam", {"lr": 1e-3}),
     "adamw": ("AdamW", {"lr": 1e-3, "weight_decay": 0.01}),
 }
