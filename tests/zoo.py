@@ -575,7 +575,9 @@ ZOO: list[ZooEntry] = [
        note="width_mult=0.5; batch 4 at 96² (at 2×64² one process's own rounding moves the weights by 5e-8)"),
     _e("timm/ghostnet_050", "ghostnet", timm_model("ghostnet_050"), (2, 3, 64, 64), 2, (2, 1)),
     _e("timm/ghostnetv2_100", "ghostnet", timm_model("ghostnetv2_100"), (2, 3, 64, 64), 2, (1, 2),
-       note="DFC attention: pooled gate interpolated back (local, decomposable)"),
+       note="DFC attention: pooled gate interpolated back (local, decomposable)", expect="ill-conditioned",
+       reason="the DFC branches' short_conv BatchNorm weight gradients (7e-11 to 3e-9) cancel; rounding alone "
+              "moves them by 1e-7 to 2e-7 of their size in one process (2026-11-29)"),
     _e("timm/res2net50_14w_8s", "res2net", timm_model("res2net50_14w_8s", layers=(1, 1, 1, 1)), (2, 3, 64, 64), 2,
        (2, 1), note="layers (1,1,1,1)"),
     _e("timm/selecsls42b", "selecsls", timm_model("selecsls42b"), (8, 3, 64, 64), 2, (2, 1),
