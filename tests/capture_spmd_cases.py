@@ -1,12 +1,13 @@
-"""What each SPMD rank runs for ``tests/test_capture_spmd.py``: captures against one process, per rank."""
+"""What each SPMD rank runs for ``tests/test_capture_spmd.py``: captures against one process (plain torch:
+``tests/capture_reference.py``), per rank."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from capture_reference import capture_reference, gradcam_reference
 
 import bigconv
-from bigconv.capture import capture_local, gradcam_local
 
 
 def _errors(got: dict, want: dict) -> dict:
@@ -40,16 +41,16 @@ def gradcams(world, out_dir: str) -> dict:
     errors = {}
     for layer in ("layer2", "layer3"):  # maps of 16 x 12 and 8 x 6: upsampling across shard edges
         errors[f"gradcam/{layer}"] = _rel(bigconv.gradcam(net, x, layer=layer, target=[2, 0]),
-                                          gradcam_local(model, x, layer=layer, target=[2, 0]))
+                                          gradcam_reference(model, x, layer=layer, target=[2, 0]))
     errors["saliency"] = _rel(bigconv.gradcam(net, x, target=[2, 0], method="saliency"),
-                              gradcam_local(model, x, target=[2, 0], method="saliency"))
-    want = gradcam_local(model, x[:1], layer="layer3", target=2)
+                              gradcam_reference(model, x, target=[2, 0], method="saliency"))
+    want = gradcam_reference(model, x[:1], layer="layer3", target=2)
     path = bigconv.gradcam(net, x[:1], layer="layer3", target=2, out=os.path.join(out_dir, "cam.ome.zarr"), levels=3)
     errors["written/ome.zarr"] = _rel(torch.from_numpy(np.asarray(zarr.open_array(os.path.join(path, "0"))[:])),
                                       want[0])
     flat = bigconv.gradcam(net, x, layer="layer3", target=[2, 0], out=os.path.join(out_dir, "cam.zarr"))
     errors["written/zarr"] = _rel(torch.from_numpy(zarr.open_array(flat, mode="r")[:]),
-                                  gradcam_local(model, x, layer="layer3", target=[2, 0]))
+                                  gradcam_reference(model, x, layer="layer3", target=[2, 0]))
     errors["written/listing"] = 0.0 if sorted(os.listdir(out_dir)) == ["cam.ome.zarr", "cam.zarr"] else float("inf")
     return errors
 
@@ -64,11 +65,12 @@ def run(out_dir: str | None = None) -> dict:
         x = torch.randn(2, 3, 96, 64, dtype=torch.float64)
         net = bigconv.parallelize(classifier, world, grid=(2, 2)).eval()
         layers = ["layer2", "layer3", "avgpool", "fc"]
-        errors = _errors(net.capture(layers, x, target=[1, 4]), capture_local(classifier, layers, x, target=[1, 4]))
+        errors = _errors(net.capture(layers, x, target=[1, 4]),
+                         capture_reference(classifier, layers, x, target=[1, 4]))
         y = torch.tensor([0, 3])
         errors.update({f"loss/{k}": v for k, v in _errors(
             net.capture(["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss()),
-            capture_local(classifier, ["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss())).items()})
+            capture_reference(classifier, ["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss())).items()})
         torch.manual_seed(0)
         seg = smp.Unet("resnet18", encoder_weights=None, encoder_depth=3, decoder_channels=(32, 16, 16), classes=3,
                        decoder_attention_type="scse").double().eval()
@@ -77,11 +79,11 @@ def run(out_dir: str | None = None) -> dict:
         se = "decoder.blocks.0.attention1.attention.cSE"
         layers = ["encoder.layer1", f"{se}.0", f"{se}.1", "segmentation_head"]
         errors.update({f"seg/{k}": v for k, v in _errors(seg_net.capture(layers, xs, target=2),
-                                                          capture_local(seg, layers, xs, target=2)).items()})
+                                                          capture_reference(seg, layers, xs, target=2)).items()})
         ys = torch.randint(0, 3, (1, 64, 96))
         errors.update({f"seg-loss/{k}": v for k, v in _errors(
             seg_net.capture(layers, xs, ys, loss_fn=nn.CrossEntropyLoss()),
-            capture_local(seg, layers, xs, ys, loss_fn=nn.CrossEntropyLoss())).items()})
+            capture_reference(seg, layers, xs, ys, loss_fn=nn.CrossEntropyLoss())).items()})
         if out_dir is not None:
             errors.update(gradcams(world, out_dir))
         return errors

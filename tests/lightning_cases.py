@@ -2,8 +2,9 @@
 
 An unchanged LightningModule (AdamW with two param groups, a warmup-cosine schedule stepped per step,
 ``gradient_clip_val``, ``accumulate_grad_batches=2``, ``self.log(..., sync_dist=True)``) on spawned gloo
-ranks; rank 0 also runs the same loop in one process on the batches every replica's sampler drew, and
-returns the per-tensor errors.
+ranks; each rank also runs the same loop in one process on the batches every replica's sampler drew (and
+twice more with only sums reordered, the noise the verdict measures: ``tests/loop_verdict.py``), and returns
+the per-tensor errors and ``bigconv.verify``'s verdict of its weights.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import native_loop_cases as nl
+from loop_verdict import state_reference, state_verdict
 
 STEPS, ACCUMULATE, BATCH = 3, 2, 2
 
@@ -49,11 +51,14 @@ def dataset(kind: str, replicas: int):
     return torch.utils.data.TensorDataset(x, y)
 
 
-def one_process(kind: str, replicas: int) -> dict:
+def one_process(kind: str, replicas: int, reverse: bool = False, channels_last: bool = False) -> dict:
     """The same loop on the same batches: micro-batch k of every replica's sampler (Lightning's
-    ``DistributedSampler``: shuffled with seed 0, over ``replicas`` only), averaged over replicas as DDP does."""
+    ``DistributedSampler``: shuffled with seed 0, over ``replicas`` only), averaged over replicas as DDP does.
+    ``reverse``, ``channels_last``: the verdict's noise runs (``tests/loop_verdict.py``)."""
     data = dataset(kind, replicas)
     model = nl.build(kind, torch.float64)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=layout)
     opt = torch.optim.AdamW(nl.param_groups(model.named_parameters()), lr=0.02, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, nl.warmup_cosine)
     per_replica = [list(torch.utils.data.DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=True, seed=0))
@@ -62,8 +67,8 @@ def one_process(kind: str, replicas: int) -> dict:
         for k in range(ACCUMULATE):
             b = step * ACCUMULATE + k
             idx = [i for r in range(replicas) for i in per_replica[r][b * BATCH:(b + 1) * BATCH]]
-            x, y = data[idx]
-            (F.cross_entropy(model(x), y) / ACCUMULATE).backward()
+            x, y = data[idx[::-1] if reverse else idx]
+            (F.cross_entropy(model(x.contiguous(memory_format=layout)), y) / ACCUMULATE).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
         opt.zero_grad()
@@ -98,8 +103,9 @@ def train(kind: str, grid, replicas: int, plant: str | None = None) -> dict:
     state = {k: v.detach().clone() for k, v in lit.model.state_dict().items()}
     keys = sorted(lit.state_dict())
     r = {"keys": keys, "logged": lit.logged, "callback_loss": float(trainer.callback_metrics["loss"])}
-    ref = one_process(kind, replicas)
-    r["errors"] = {k: nl.rel(state[k], v) for k, v in ref.items()}
+    ref = state_reference(lambda **reorder: one_process(kind, replicas, **reorder))
+    r["errors"] = {k: nl.rel(state[k], v) for k, v in ref.run.state.items()}
+    r["verdict"] = state_verdict(state, ref)  # the weights judged as every equivalence test judges them
     return r
 
 

@@ -1,7 +1,8 @@
 """Seeing inside a parallel model (issue 39, items 1-2): ``net.capture`` and ``bigconv.gradcam``.
 
-Each against one process in float64 (``capture_local``, ``gradcam_local``: plain hooks and
-``F.interpolate``), every tensor within 1e-9 of its own max-norm:
+Each against one process in float64 (``tests/capture_reference.py``: plain forward and tensor hooks, the score's
+gradient from ``out[arange(n), target].sum()``, ``F.interpolate``; not the library's ``capture_local``, which shares
+the workers' recorder), every tensor within 1e-9 of its own max-norm:
 
 - capture of a zoo classifier (torchvision ResNet-18) and a zoo segmentation model (smp U-Net): outputs,
   and gradients of an output score (``target=``) and of a loss, at sharded maps and at the whole vectors
@@ -22,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from capture_reference import capture_reference, gradcam_reference
 
 import bigconv
-from bigconv.capture import capture_local, gradcam_local
 
 TOL = 1e-9
 
@@ -71,16 +72,16 @@ def test_capture_of_a_classifier_is_exact(world):
     before = net.state_dict()
     layers = ["layer2", "layer3", "avgpool", "fc"]  # sharded maps, then whole vectors after pooling
     got = net.capture(layers, x, target=[1, 4])
-    same(got, capture_local(model, layers, x, target=[1, 4]), grads=True)
+    same(got, capture_reference(model, layers, x, target=[1, 4]), grads=True)
     with torch.no_grad():
         close(got["fc"].output, model(x), "fc against model(x)")
     assert torch.equal(got["fc"].grad, torch.tensor([[0, 1, 0, 0, 0], [0, 0, 0, 0, 1.0]], dtype=torch.float64))
     y = torch.tensor([0, 3])
     same(net.capture(["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss()),
-         capture_local(model, ["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss()), grads=True)
+         capture_reference(model, ["layer3", "fc"], x, y, loss_fn=nn.CrossEntropyLoss()), grads=True)
     twice = net.capture("layer1.0.relu", x)  # BasicBlock calls its ReLU twice
     assert sorted(twice) == ["layer1.0.relu", "layer1.0.relu#1"]
-    same(twice, capture_local(model, "layer1.0.relu", x), grads=False)
+    same(twice, capture_reference(model, "layer1.0.relu", x), grads=False)
     after = net.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed in the model
     assert all(p.grad is None for p in model.parameters())
@@ -97,7 +98,7 @@ def test_capture_of_a_segmentation_model_is_exact(world):
     se = "decoder.blocks.0.attention1.attention.cSE"
     layers = ["encoder.layer1", f"{se}.0", f"{se}.1", "decoder", "segmentation_head"]
     got = net.capture(layers, x, target=2)
-    same(got, capture_local(model, layers, x, target=2), grads=True)
+    same(got, capture_reference(model, layers, x, target=2), grads=True)
     # checks independent of the hooks the reference shares: the copy precedes the in-place ReLU, and the last
     # capture is the model's output, whose score gradient is one at class 2
     assert (got[f"{se}.1"].output < 0).any(), "captured after the in-place ReLU overwrote it"
@@ -107,7 +108,7 @@ def test_capture_of_a_segmentation_model_is_exact(world):
     assert not got["segmentation_head"].grad[0, :2].any()
     y = torch.randint(0, 3, (1, 64, 96))
     same(net.capture(layers, x, y, loss_fn=nn.CrossEntropyLoss()),
-         capture_local(model, layers, x, y, loss_fn=nn.CrossEntropyLoss()), grads=True)
+         capture_reference(model, layers, x, y, loss_fn=nn.CrossEntropyLoss()), grads=True)
 
 
 @pytest.mark.world(4)
@@ -124,19 +125,19 @@ def test_gradcam_and_saliency_are_exact_and_written_as_a_pyramid(world, tmp_path
     net = bigconv.parallelize(model, world, grid=(2, 2)).eval()
     for layer in ("layer2", "layer3"):  # maps of 16 x 12 and 8 x 6: upsampling across shard edges
         cam = bigconv.gradcam(net, x, layer=layer, target=[2, 0])
-        close(cam, gradcam_local(model, x, layer=layer, target=[2, 0]), f"Grad-CAM at {layer}")
+        close(cam, gradcam_reference(model, x, layer=layer, target=[2, 0]), f"Grad-CAM at {layer}")
         assert cam.shape == (2, 1, 128, 96)
     close(bigconv.gradcam(net, x, target=[2, 0], method="saliency"),
-          gradcam_local(model, x, target=[2, 0], method="saliency"), "saliency")
+          gradcam_reference(model, x, target=[2, 0], method="saliency"), "saliency")
     seg = unet()
     seg_net = bigconv.parallelize(seg, world, grid=(2, 2)).eval()
     xs = torch.randn(1, 3, 64, 96, dtype=torch.float64)
     close(bigconv.gradcam(seg_net, xs, layer="encoder.layer2", target=1),
-          gradcam_local(seg, xs, layer="encoder.layer2", target=1), "Grad-CAM of a segmentation model")
+          gradcam_reference(seg, xs, layer="encoder.layer2", target=1), "Grad-CAM of a segmentation model")
 
     path = bigconv.gradcam(net, x[:1], layer="layer3", target=2, out=tmp_path / "cam.ome.zarr", levels=3, mpp=0.5)
     assert sorted(os.listdir(tmp_path)) == ["cam.ome.zarr"]
-    want = gradcam_local(model, x[:1], layer="layer3", target=2)[0].numpy()
+    want = gradcam_reference(model, x[:1], layer="layer3", target=2)[0].numpy()
     node = list(Reader(parse_url(path))())[0]
     assert [tuple(d.shape) for d in node.data] == [(1, 128, 96), (1, 64, 48), (1, 32, 24)]
     assert node.metadata["coordinateTransformations"][2][0]["scale"] == [1.0, 2.0, 2.0]
@@ -144,8 +145,8 @@ def test_gradcam_and_saliency_are_exact_and_written_as_a_pyramid(world, tmp_path
     stored = zarr.open_array(os.path.join(path, "0"), mode="r")[:]
     assert np.array_equal(np.asarray(node.data[1]), pyramid.reduce(stored, "float", 2))
     flat = bigconv.gradcam(net, x, layer="layer3", target=[2, 0], out=tmp_path / "cam.zarr")
-    close(torch.from_numpy(zarr.open_array(flat, mode="r")[:]), gradcam_local(model, x, layer="layer3", target=[2, 0]),
-          "Grad-CAM in a zarr array")
+    close(torch.from_numpy(zarr.open_array(flat, mode="r")[:]),
+          gradcam_reference(model, x, layer="layer3", target=[2, 0]), "Grad-CAM in a zarr array")
 
 
 @pytest.mark.world(4)
@@ -197,7 +198,7 @@ def test_captures_written_by_the_workers(world, tmp_path):
     net = bigconv.parallelize(model, world, grid=(2, 2)).eval()
     layers = ["layer2", "layer1.0.relu", "avgpool", "fc"]
     got = net.capture(layers, x, target=[1, 4], out=tmp_path / "caps.zarr")
-    want = capture_local(model, layers, x, target=[1, 4])
+    want = capture_reference(model, layers, x, target=[1, 4])
     assert sorted(got) == sorted(want) and sorted(os.listdir(tmp_path)) == ["caps.zarr"]
     for key in want:
         close(torch.from_numpy(got[key].output[...]), want[key].output, f"written {key}")

@@ -3,7 +3,7 @@
 One launch of 4 gloo ranks (a small CNN in float64, an uneven 2 x 2 grid) runs every case in order:
 two layers captured with the gradient of a loss (a sharded map, and the head's vector whose gradient is
 summed over the ranks' copies) and one without gradients, each written with ``out=`` and compared with
-one process (``capture_local``) within 1e-12; the store's own layout compared with what the driver mode
+one process (``tests/capture_reference.py``, plain hooks) within 1e-12; the store's own layout compared with what the driver mode
 writes for the same call (on the shared World); an ``out=`` the library did not write, refused on every
 rank before any forward, left as it was; a write failing on rank 2, raised on every rank naming it, with
 no partial store left.
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from capture_reference import capture_reference
 
 import bigconv
-from bigconv.capture import capture_local
 from bigconv.runtime import spmd_launch as launch
 
 SHAPE = (2, 2, 30, 22)  # uneven shards on a 2 x 2 grid; the strided map is 15 x 11
@@ -78,12 +78,12 @@ def ranks(out_dir: str) -> dict:
         loss = nn.CrossEntropyLoss()
         path = os.path.join(out_dir, "grads.zarr")
         result = {"errors": _errors(net.capture(WITH_GRADS, x, y, loss_fn=loss, out=path),
-                                    capture_local(ref, WITH_GRADS, x, y, loss_fn=loss), "grads")}
+                                    capture_reference(ref, WITH_GRADS, x, y, loss_fn=loss), "grads")}
         flat = os.path.join(out_dir, "outputs.zarr")
-        result["errors"].update(_errors(net.capture(OUTPUTS_ONLY, x, out=flat), capture_local(ref, OUTPUTS_ONLY, x),
+        result["errors"].update(_errors(net.capture(OUTPUTS_ONLY, x, out=flat), capture_reference(ref, OUTPUTS_ONLY, x),
                                         "outputs"))
         again = net.capture(OUTPUTS_ONLY, x, out=flat, overwrite=True)  # its own store: replaced
-        result["errors"]["replaced"] = _rel(again["2"].output, capture_local(ref, OUTPUTS_ONLY, x)["2"].output)
+        result["errors"]["replaced"] = _rel(again["2"].output, capture_reference(ref, OUTPUTS_ONLY, x)["2"].output)
 
         forwards = []
         real_run = front._run_spmd

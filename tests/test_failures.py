@@ -125,6 +125,8 @@ def test_from_env_world_trains_exactly(exclusive):
 
     from bigconv.models import CNN1D
     from bigconv.runtime.netbind import listening_socket
+    from verdicts import assert_exact
+
     from bigconv.verify import compare_training
 
     with listening_socket("127.0.0.1") as probe:
@@ -139,7 +141,7 @@ def test_from_env_world_trains_exactly(exclusive):
             assert world.workers == 2
             r = compare_training(CNN1D(1, 3).double(), world, torch.randn(2, 1, 19, dtype=torch.float64),
                                  torch.tensor([0, 2]), nn.CrossEntropyLoss(), grid=(2,))
-            assert r["weights"] <= 1e-9 and r["replicas_equal"], r
+            assert_exact(r)  # the verdict over every tensor (this checked the weights alone before)
         assert [p.wait(timeout=60) for p in ranks] == [0, 0], "served ranks did not exit cleanly"
     finally:
         for p in ranks:

@@ -19,6 +19,7 @@ pytest.importorskip("lightning", reason="the lightning extra (pip install 'bigco
 
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning_cases as cases  # noqa: E402
+from verdicts import assert_exact  # noqa: E402
 import lightning_extra_cases as more  # noqa: E402
 
 from bigconv.runtime import spmd_launch as launch  # noqa: E402
@@ -26,8 +27,13 @@ from bigconv.runtime import spmd_launch as launch  # noqa: E402
 TOL = 1e-9
 
 
-BF16_FACTOR = 4.0
-"""How far past one process's own bf16 rounding (its bf16 run against its float32 run) the ranks' may be."""
+BF16_FACTOR = 8.0
+"""How far past one process's own bf16 rounding of the same weight (its bf16 run against its float32 run) the
+ranks' may be: each weight against its own, and never past ``BF16_CAP`` times the largest such error over the
+model's weights (the rule before, which alone let a weight that bf16 barely moves be off by tens of times its
+own rounding). Measured (2026-11-29): the ranks' error reaches 4.3 times a weight's own ((2,2)/cls, the head's
+bias after an epoch of AdamW), 3.2 on R2x(2,1)/seg."""
+BF16_CAP = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +67,7 @@ def _case(ranks, name):
 def test_an_unchanged_lightning_module_trains_as_one_process(ranks, name):
     per_rank = _case(ranks, name)
     for rank, r in enumerate(per_rank):
+        assert_exact(r["verdict"], TOL)  # each weight against its own size and measured noise
         bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
         assert not bad, (rank, bad)
         assert len(r["logged"]) == cases.STEPS * cases.ACCUMULATE
@@ -74,14 +81,13 @@ def test_an_unchanged_lightning_module_trains_as_one_process(ranks, name):
 @pytest.mark.parametrize("name", [n for n in cases.CASES if n.startswith("plant/")])
 def test_each_broken_habit_is_seen(ranks, name):
     """The replicas' gradients summed instead of averaged; the data split over every rank instead of over
-    replicas: each fails the float64 comparison. (AdamW and the clip are nearly blind to a gradient's scale:
-    summing instead of averaging moves the weights by ~5e-8 only, still 50 times the tolerance.)"""
-    for rank, r in enumerate(ranks):
-        result = r[name]
-        if isinstance(result, dict):
-            assert max(result["errors"].values()) > 10 * TOL, (rank, name, result["errors"])
-        else:  # refused or failed outright is seen too
-            assert result, (rank, name)
+    replicas: each Trainer runs to its end and the verdict of its weights reads ``not exact``, naming them.
+    (AdamW and the clip are nearly blind to a gradient's scale: summing instead of averaging moves the weights
+    by ~5e-8 only, still 50 times the tolerance.) A Trainer that fails instead is not a caught error: it says
+    nothing of the comparison, and fails here."""
+    for rank, r in enumerate(_case(ranks, name)):
+        v = r["verdict"]
+        assert v["verdict"] == "not exact" and v["wrong"], (rank, name, v["verdict"], r["errors"])
 
 
 @pytest.mark.timeout(1300)
@@ -109,14 +115,16 @@ def test_a_resume_that_drops_the_schedule_is_seen(zoo_ranks):
 def test_bf16_mixed_within_one_processs_own_rounding(request, name):
     """``Trainer(precision="bf16-mixed")``: every output's dtype is one process's under the same autocast, and
     each weight after an epoch (AdamW, clipping, accumulation) lies within ``BF16_FACTOR`` times one
-    process's own bf16 error of this model's weights (its bf16 run against its float32 run). The dtype check
+    process's own bf16 error of that weight (its bf16 run against its float32 run), and within ``BF16_CAP``
+    times the largest over the weights. The dtype check
     is what catches autocast ignored inside the network (seen once, planted: float32 outputs; the weights of
     a float32 run lie within bf16's own rounding of a bf16 run, so the tolerance alone cannot)."""
     for rank, r in enumerate(_case(_pick(request, name), name)):
         assert r["dtypes"] == r["ref_dtypes"] and set(r["dtypes"]) == {"torch.bfloat16"}, (rank, r["dtypes"])
-        scale = max(own for _, own in r["weights"].values())
-        bad = {k: v for k, (v, _) in r["weights"].items() if not v <= BF16_FACTOR * scale}
-        assert not bad, (rank, bad, scale)
+        largest = max(own for _, own in r["weights"].values())
+        bad = {k: (v, own) for k, (v, own) in r["weights"].items()
+               if not v <= min(BF16_FACTOR * own, BF16_CAP * largest)}
+        assert not bad, (rank, "(error, own bf16 error)", bad)
 
 
 @pytest.mark.timeout(1300)

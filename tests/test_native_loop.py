@@ -21,8 +21,14 @@ import native_loop_cases as cases  # noqa: E402
 from bigconv.runtime import spmd_launch as launch  # noqa: E402
 
 TOL = 1e-9
-BF16_FACTOR = 4.0
-"""How far past one process's own bf16 rounding (bf16 against float32) the ranks' bf16 run may be."""
+BF16_FACTOR = 8.0
+"""How far past one process's own bf16 rounding of the same tensor (its bf16 run against its float32 run) the
+ranks' bf16 run may be: each tensor against its own, and never past ``BF16_CAP`` times the largest such error
+over the model's tensors (the rule before, which alone let a tensor that bf16 barely moves be off by tens of
+times its own rounding). Measured (4 ranks, 2026-11-29): the ranks' error reaches 5.6 times a tensor's own
+(R2x(2,1)/seg, the second convolution's bias gradient: the shards round their partial sums of a cancelling sum
+to bf16, which one process's whole-image kernel does not), 3.2 on (2,2), 2.2 on the heads."""
+BF16_CAP = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +61,12 @@ def test_bf16_autocast_within_one_processs_own_rounding(ranks, name):
     for rank, r in enumerate(_case(ranks, name)):
         assert r["dtype"] == r["ref_dtype"] == r["whole_dtype"] == "torch.bfloat16", (rank, r)
         got, own = r["output"]
-        assert got <= BF16_FACTOR * own, (rank, "output", got, own)
+        assert got <= BF16_CAP * own, (rank, "output", got, own)  # one tensor: its own, 4x as before
         grads = {k: v for k, v in r.items() if k.startswith("grad/")}
-        scale = max(own for _, own in grads.values())  # one process's bf16 rounding of this model's gradients
-        bad = {k: v for k, (v, _) in grads.items() if not v <= BF16_FACTOR * scale}
-        assert not bad, (rank, bad, scale)
+        largest = max(own for _, own in grads.values())
+        bad = {k: (v, own) for k, (v, own) in grads.items()
+               if not v <= min(BF16_FACTOR * own, BF16_CAP * largest)}
+        assert not bad, (rank, "(error, own bf16 error)", bad)
 
 
 @pytest.mark.timeout(900)

@@ -1,11 +1,12 @@
 """A resumed run draws what the run that never stopped draws (dropout, timm's DropPath), in float64.
 
 3 steps uninterrupted against 2 steps, ``net.save``, a *new* parallel model (fresh weights, counter at 0),
-``net.load`` and step 3: the weights after step 3 equal the uninterrupted run's and one process's under
-``RandomDraws(seed)`` (each tensor within 1e-12 of its own size), on a (2, 2) grid with uneven shards, in
-the driver mode (both transports, each resuming the other's file) and on SPMD gloo ranks (also 2 replicas x (2, 1), against the uninterrupted run only:
-replicas draw exact in law, not bitwise, against one process; there the run that never stopped is the one
-that saved, going on).
+``net.load`` and step 3: the weights after step 3 equal the uninterrupted run's and one process's drawing what
+``RandomDraws(seed)`` draws, its masks made by ``tests/draws_reference.py`` from the documented rule (each
+tensor within 1e-12 of its own size), on a (2, 2) grid with uneven shards, in the driver mode (both
+transports, each resuming the other's file) and on SPMD gloo ranks (also 2 replicas x (2, 1), against the
+uninterrupted run only: replicas draw exact in law, not bitwise, against one process; there the run that
+never stopped is the one that saved, going on).
 
 The errors the counter's restore guards against are planted in the file itself and must each fail: the
 counter removed (a file of an older bigconv: it loads, with a warning naming the file, and draws from
@@ -24,6 +25,10 @@ import torch.nn as nn
 
 import bigconv
 from bigconv.ops.random import RandomDraws
+
+sys.path.insert(0, os.path.dirname(__file__))  # the ranks import this module and draws_reference
+import draws_reference as drawn  # noqa: E402
+from draws_reference import Forward  # noqa: E402
 from bigconv.runtime import spmd_launch as launch
 
 SEED = 17
@@ -69,18 +74,41 @@ def make_case():
     return model, x, y
 
 
+def forward_drawn(model: nn.Module, x: torch.Tensor, draws: Forward) -> torch.Tensor:
+    """``make_case``'s model in training, written out, its masks from ``draws`` (``tests/draws_reference.py``, the
+    documented rule, not the library's generator): three draws per forward in call order, the first Residual's
+    DropPath, the Dropout, the second Residual's DropPath."""
+    conv0, first, drop, second, conv4 = model
+    h = conv0(x)
+    h = h + drawn.drop_path(torch.tanh(first.conv(h)), first.drop_path.drop_prob, draws.key())
+    h = drawn.dropout(h, drop.p, draws.key())
+    h = h + drawn.drop_path(torch.tanh(second.conv(h)), second.drop_path.drop_prob, draws.key())
+    return conv4(h)
+
+
 def reference(model: nn.Module, x, y, steps: int) -> dict:
-    """One process, forward k drawing under ``RandomDraws(SEED)`` what forward k of the parallel model draws."""
+    """One process, forward k (from 1) drawing what forward k of the parallel model made with ``SEED`` draws."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), **LR)
-    draws = RandomDraws(SEED)
-    for _ in range(steps):
+    for k in range(1, steps + 1):
         opt.zero_grad()
-        with draws.forward():
-            loss = nn.MSELoss()(model(x), y)
+        loss = nn.MSELoss()(forward_drawn(model, x, Forward(SEED, k)), y)
         loss.backward()
         opt.step()
     return model.state_dict()
+
+
+@pytest.mark.parametrize("seed", [SEED, 2 ** 40 + 5])
+def test_the_documented_generator_draws_what_random_draws_does(seed):
+    """``tests/draws_reference.py`` against ``RandomDraws``: the same masks, forward by forward (a seed past 32
+    bits mixes its high half), and another seed's differ: the references built on it pin the library's draws."""
+    model, x, _ = make_case()
+    draws = RandomDraws(seed)
+    for k in range(1, 4):
+        with draws.forward():
+            want = model(x)
+        assert torch.equal(forward_drawn(model, x, Forward(seed, k)), want), k
+    assert not torch.equal(forward_drawn(model, x, Forward(seed + 1, 1)), forward_drawn(model, x, Forward(seed, 1)))
 
 
 def worst(got: dict, want: dict) -> float:

@@ -7,9 +7,9 @@ In float64, ``test_resume_draws``'s model (Conv + timm-style DropPath x2 + Dropo
   against 2 steps, the user's own ``torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
   "draws": net.draws_state()})``, a *new* ``SpmdModel`` made from other weights and another seed, everything
   loaded (``net.load_draws_state(ck["draws"])``), step 3: the uninterrupted run's weights and one process's
-  under ``RandomDraws(seed)``, each tensor within 1e-12 of its own size. The restore skipped (a new model
-  draws forward 1 again) or off by one must each be seen (> 1e-4 off); malformed or differing dicts are a
-  ``ValueError`` on every rank, the counter unchanged.
+  drawing what ``RandomDraws(seed)`` draws (``tests/draws_reference.py``), each tensor within 1e-12 of its own
+  size. The restore skipped (a new model draws forward 1 again) or off by one must each be seen (> 1e-4 off);
+  malformed or differing dicts are a ``ValueError`` on every rank, the counter unchanged.
 - **Lightning** (``BigconvStrategy``, a validation loader and its sanity check, one step per epoch): 3 epochs
   uninterrupted against 2 epochs, ``trainer.save_checkpoint``, a new Trainer and a LightningModule made from
   other weights resuming with ``fit(ckpt_path=)``: the uninterrupted Trainer's weights and one process's
@@ -30,11 +30,11 @@ import torch
 import torch.nn as nn
 
 import bigconv
-from bigconv.ops.random import RandomDraws
 from bigconv.runtime import spmd_launch as launch
 
 sys.path.insert(0, os.path.dirname(__file__))  # the ranks import this module and test_resume_draws
-from test_resume_draws import LR, SEED, make_case, worst  # noqa: E402
+from draws_reference import Forward  # noqa: E402
+from test_resume_draws import LR, SEED, forward_drawn, make_case, worst  # noqa: E402
 
 TOL = 1e-12
 SEEN = 1e-4  # a planted error moves the weights by at least this much (measured: ~1e-2)
@@ -42,23 +42,21 @@ GRID = (2, 1)
 
 
 def reference(model: nn.Module, x, y, steps: int, seed: int, skip: int = 0, shuffled: bool = False) -> dict:
-    """One process: forward k of each step draws under ``RandomDraws(seed)`` what forward k of the parallel
-    model draws; ``skip`` forwards (validation's, drawing nothing) follow each step. ``shuffled``: step k
-    takes the images in the order of epoch k of Lightning's ``DistributedSampler`` (shuffled, seed 0)."""
+    """One process: step k's forward draws what that forward of the parallel model made with ``seed`` draws
+    (``tests/draws_reference.py``, from the documented rule; forwards numbered from 1); ``skip`` forwards
+    (validation's, drawing nothing) follow each step. ``shuffled``: step k takes the images in the order of
+    epoch k of Lightning's ``DistributedSampler`` (shuffled, seed 0)."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), **LR)
-    draws = RandomDraws(seed)
     sampler = torch.utils.data.DistributedSampler(range(len(x)), num_replicas=1, rank=0, shuffle=True, seed=0)
     for k in range(steps):
         sampler.set_epoch(k)
         order = list(sampler) if shuffled else list(range(len(x)))
         opt.zero_grad()
-        with draws.forward():
-            loss = nn.MSELoss()(model(x[order]), y[order])
+        out = forward_drawn(model, x[order], Forward(seed, k * (1 + skip) + 1))
+        loss = nn.MSELoss()(out, y[order])
         loss.backward()
         opt.step()
-        for _ in range(skip):
-            draws.next_forward()
     return model.state_dict()
 
 

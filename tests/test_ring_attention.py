@@ -5,7 +5,8 @@ exchanging through the dry run's in-process link (``LocalLink``) on real float64
 adjoint (attention is linear in the values; ``<A v, w> = <v, Aᵀ w>`` where ``Aᵀ`` is the ring's
 backward, whose key and value gradients travel with their blocks and take one more pass home), and
 its forward and every gradient (queries, keys, values, the relative position tables) against one
-process on uneven shards. Then models on a live World against one process in float64 (the
+process on uneven shards: an explicit ``softmax(QKᵀ·s + bias)V`` in plain torch (``softmax_attention``,
+``relative_bias``), not the library's attention run on one shard. Then models on a live World against one process in float64 (the
 verdict of ``bigconv.verify.compare_training``): timm's bottleneck attention with its relative
 position embedding on an uneven 2x2 grid, ring and gathered; ``F.scaled_dot_product_attention``
 over an image's flattened positions; causal and masked calls refused before remote work. timm
@@ -30,7 +31,7 @@ from bigconv.check import layer_report
 from bigconv.compat import allow_torchvision_without_ops
 from bigconv.engine.executor import ShardExecutor
 from bigconv.geometry.boxes import all_coords
-from bigconv.ops.global_attention import Alone, RingPlan, attend, block_coords, use
+from bigconv.ops.global_attention import RingPlan, attend, block_coords, use
 from bigconv.transport import Mailbox, WorkerRuntime
 from bigconv.transport.rpc import LocalLink
 from bigconv.verify import compare_training
@@ -105,9 +106,28 @@ def test_ring_backward_is_the_adjoint_of_its_forward(grid):
     assert abs(forward - adjoint) <= 1e-12 * abs(forward), (forward, adjoint)
 
 
+def softmax_attention(q, k, v, scale, bias=None):
+    """The reference, plain torch: ``softmax(scale q kᵀ + bias) v`` over every key, queries ``(G, Nq, d)``."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    return torch.softmax(s if bias is None else s + bias, dim=-1) @ v
+
+
+def relative_bias(tables, shape):
+    """timm's relative position logits on positions flattened row-major over ``shape``: ``bias[g, i, j]`` is
+    ``sum_a tables[a][g, i, c_a(j) - c_a(i) + S_a - 1]``, ``c_a`` a position's coordinate along axis ``a`` of size
+    ``S_a`` (the key's offset from the query, shifted to a table index)."""
+    coords = torch.stack(torch.meshgrid(*[torch.arange(n) for n in shape], indexing="ij"), -1).reshape(-1, len(shape))
+    bias = None
+    for a, (t, n) in enumerate(zip(tables, shape)):
+        index = (coords[None, :, a] - coords[:, None, a] + n - 1).expand(t.shape[0], -1, -1)
+        term = t.gather(-1, index)
+        bias = term if bias is None else bias + term
+    return bias
+
+
 def _one_process(shape, q, k, v, tables, w):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, *tables)]
-    out = attend(RingPlan(Alone(len(shape)), shape, 0.4, "cpu"), *leaves[:3], leaves[3:])
+    out = softmax_attention(*leaves[:3], 0.4, relative_bias(leaves[3:], shape))
     out.backward(w)
     return out.detach(), [t.grad for t in leaves]
 
@@ -287,7 +307,7 @@ def test_op_with_whole_tokens_in_front_exact(strategy):
     shares = torch.tensor([0.7, -0.2, 0.4, 0.1], dtype=torch.float64)  # sums to 1: the parts of wp
     full = [torch.cat([a, b], 1) for a, b in ((qp, q), (kp, k), (vp, v))]
     leaves = [t.clone().requires_grad_(True) for t in full]
-    ref = attend(RingPlan(Alone(2), shape, 0.4, "cpu"), *leaves)
+    ref = softmax_attention(*leaves, 0.4)  # every query (whole tokens' too) over every key, no position bias
     ref.backward(torch.cat([wp, w], 1))
     ref_grads = [t.grad for t in leaves]
 
@@ -334,7 +354,7 @@ def test_op_whole_queries_over_split_keys_exact(strategy):
     coords = list(all_coords(grid))
     shares = torch.tensor([0.7, -0.2, 0.4, 0.1], dtype=torch.float64)
     leaves = [t.clone().requires_grad_(True) for t in (q, torch.cat([kp, k], 1), torch.cat([vp, v], 1))]
-    ref = attend(RingPlan(Alone(2), shape, 0.4, "cpu", 1, nq), *leaves)
+    ref = softmax_attention(*leaves, 0.4)
     ref.backward(w)
 
     def run(ex, i):
