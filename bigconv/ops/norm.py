@@ -97,10 +97,14 @@ def whole_stats(mode: RuleContext, x: torch.Tensor, dims: list[int], shape, coun
     counts = [base * math.prod(box_size(shard_box(shape, mode.executor.grid, c)))
               for c in all_coords(mode.executor.grid)]
     mean, m2 = _LocalMoments.apply(x, dims)
-    parts = mode.executor.allgather(torch.stack([mean, m2]), "normalization statistics")
+    parts = torch.stack(mode.executor.allgather(torch.stack([mean, m2]), "normalization statistics"))
     total = sum(counts)
-    mean_all = sum(n * p[0] for n, p in zip(counts, parts)) / total
-    m2_all = sum(p[1] + n * (p[0] - mean_all).square() for n, p in zip(counts, parts))
+    # One op over the shards' stacked moments, not one per shard: a Python sum made 3 ops per shard in every
+    # normalization layer of every shard, which the planner's dry run pays shards x shards times (ResNet-50 on
+    # 16 GPUs: ~40,000 dispatched ops of the 29 s an estimate took).
+    n = torch.tensor(counts, dtype=parts.dtype, device=parts.device).view(-1, *([1] * (parts.dim() - 2)))
+    mean_all = (n * parts[:, 0]).sum(0) / total
+    m2_all = (parts[:, 1] + n * (parts[:, 0] - mean_all).square()).sum(0)
     if 0 in count_dims and mode.executor.replicas > 1:
         # Batch statistics span the whole batch, which data-parallel replicas split: combine theirs too
         # (what SyncBatchNorm does, here exact and in replica order on every rank).
