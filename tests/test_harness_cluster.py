@@ -75,3 +75,17 @@ def test_launch_scripts_export_the_worker_env():
     for script in ("torchrun_node.sh", "slurm.sbatch", "summit_lsf.sh"):
         with open(os.path.join(ROOT, "experiments", "cluster", script)) as fh:
             assert 'eval "$($PY -m experiments.cluster.env)"' in fh.read(), script
+
+
+@pytest.mark.timeout(300)
+def test_spmd_example_runs_as_documented_with_local_ranks(tmp_path):
+    """``python experiments/cluster/train_spmd.py --grid 2x1 --local 2``, the first command of the example that
+    docs/clusters.md calls complete, as its docstring writes it (plus ``--out`` to read the record): it trains
+    and records. It once failed on a deleted import path that no test ran."""
+    out = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, os.path.join("experiments", "cluster", "train_spmd.py"), "--grid", "2x1",
+                          "--local", "2", "--out", str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    recs = records.load(str(out))
+    assert len(recs) == 1 and recs[0]["ranks"] == 2 and len(recs[0]["steps"]) == 2, recs

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
     if not (launched or args.local):
         p.error("run it under a launcher (the templates in experiments/cluster/) or with --local N")
     if args.local:
-        from bigconv.spmd.launch import run
+        from bigconv.runtime.spmd_launch import run
 
         print(run(train, args.local, (args,), timeout=600)[0])
     else:
