@@ -12,11 +12,15 @@ shared World then checks that its workers issued their collectives and batches i
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import bigconv
 from bigconv.transport.comm_checks import CommChecks
+
+from tiers import FAST, fast_match
 
 WORLD_TIMEOUT_S = 60.0
 CHECKS = CommChecks.from_env()
@@ -55,7 +59,26 @@ def _order(item) -> tuple:
     return (1, marker.args[0]) if marker else (0, 0)
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: the tier is a marker like any other
 def pytest_collection_modifyitems(session, config, items):
+    """Every test not in ``tiers.FAST`` is ``slow``; a FAST entry that names no test fails the session (a
+    renamed test would otherwise leave its capability out of the fast tier unseen)."""
+    unused = set(p for group in FAST.values() for p in group)
+    both = []
+    for item in items:
+        nodeid = item.nodeid.split("tests/", 1)[-1] if item.nodeid.startswith("tests/") else item.nodeid
+        hit = fast_match(nodeid)
+        if hit is None:
+            item.add_marker(pytest.mark.slow)
+        else:
+            unused.discard(hit)
+            if not hit.endswith(".py") and any(item.get_closest_marker(m) for m in ("slow", "zoo", "soak")):
+                both.append(nodeid)
+    if both:
+        raise pytest.UsageError(f"tests/tiers.py's FAST names tests marked slow, zoo or soak: {both[:5]}")
+    whole = not config.args or [os.path.normpath(a) for a in config.args] == ["tests"]
+    if whole and unused and not config.getoption("keyword") and not config.getoption("deselect"):
+        raise pytest.UsageError(f"tests/tiers.py's FAST names tests that do not exist: {sorted(unused)}")
     items.sort(key=_order)  # stable: keeps file order within a world size
 
 

@@ -129,29 +129,31 @@ ZOO = ("resume/(2,2)/seg", "resume_plant/drop_scheduler", "bf16/R2x(2,1)/seg", "
 planted errors that show the resume's and the metrics' checks can fail."""
 
 
-def run_all(extra: tuple[str, ...] = tuple(n for n in EXTRA if n not in ZOO), base: bool = True) -> dict:
-    """``CASES`` (with ``base``) and the ``extra`` runs of ``EXTRA``, in one SPMD spawn."""
+def run_all(names: tuple[str, ...] = tuple(CASES) + tuple(n for n in EXTRA if n not in ZOO)) -> dict:
+    """The runs of ``CASES`` and ``EXTRA`` named in ``names`` (the session's selection), in one SPMD spawn."""
     import itertools
     import os
     import traceback
 
     import lightning_extra_cases as more
 
+    unknown = [n for n in names if n not in CASES and n not in EXTRA]
+    if unknown:
+        raise ValueError(f"no Lightning run named {unknown}")
     torch.set_num_threads(1)
     results = {}
     port = int(os.environ["BIGCONV_PORT"])
     os.environ["BIGCONV_BASE_PORT"] = str(port)
     ports = itertools.count(port, 10)  # each Trainer's world its own store port
-    for name, (kind, grid, replicas, plant) in (CASES.items() if base else ()):
-        os.environ["BIGCONV_PORT"] = str(next(ports))
+    for name in names:
         try:
-            results[name] = train(kind, grid, replicas, plant)
-        except Exception as exc:
-            results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
-    for name in extra:
-        fn, kind, grid, replicas, arg = EXTRA[name]
-        try:
-            results[name] = getattr(more, fn)(kind, grid, replicas, ports, arg)
+            if name in CASES:
+                kind, grid, replicas, plant = CASES[name]
+                os.environ["BIGCONV_PORT"] = str(next(ports))
+                results[name] = train(kind, grid, replicas, plant)
+            else:
+                fn, kind, grid, replicas, arg = EXTRA[name]
+                results[name] = getattr(more, fn)(kind, grid, replicas, ports, arg)
         except Exception as exc:
             results[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
     return results

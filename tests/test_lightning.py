@@ -19,6 +19,7 @@ pytest.importorskip("lightning", reason="the lightning extra (pip install 'bigco
 
 sys.path.insert(0, os.path.dirname(__file__))
 import lightning_cases as cases  # noqa: E402
+from selection import selected  # noqa: E402
 from verdicts import assert_exact  # noqa: E402
 import lightning_extra_cases as more  # noqa: E402
 
@@ -37,18 +38,9 @@ BF16_CAP = 4.0
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return launch.run(cases.run_all, 4, (), timeout=1200)
-
-
-@pytest.fixture(scope="module")
-def zoo_ranks():
-    return launch.run(cases.run_all, 4, (cases.ZOO, False), timeout=1200)
-
-
-def _pick(request, name):
-    """The spawn that ran ``name``: the default one, or the ``-m zoo`` one."""
-    return request.getfixturevalue("zoo_ranks" if name in cases.ZOO else "ranks")
+def ranks(request):
+    """One spawn of 4 ranks running the Trainers this session selected (each test names its run)."""
+    return launch.run(cases.run_all, 4, (tuple(selected(request)),), timeout=1200)
 
 
 def _params(prefix):
@@ -92,11 +84,11 @@ def test_each_broken_habit_is_seen(ranks, name):
 
 @pytest.mark.timeout(1300)
 @pytest.mark.parametrize("name", _params("resume/"))
-def test_a_resumed_trainer_ends_where_an_uninterrupted_one_and_one_process_do(request, name):
+def test_a_resumed_trainer_ends_where_an_uninterrupted_one_and_one_process_do(ranks, name):
     """Epoch 1 of 2 checkpointed by ``ModelCheckpoint`` (weights, AdamW's state, the per-step schedule, the
     loops' step and epoch); a new Trainer and a LightningModule made from other weights resume with
     ``fit(ckpt_path=)``: the uninterrupted Trainer's weights bit for bit, one process's in float64."""
-    for rank, r in enumerate(_case(_pick(request, name), name)):
+    for rank, r in enumerate(_case(ranks, name)):
         assert (r["steps"], r["epoch"]) == (4, 2), (rank, r["steps"], r["epoch"])
         bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
         assert not bad, (rank, bad)
@@ -105,21 +97,22 @@ def test_a_resumed_trainer_ends_where_an_uninterrupted_one_and_one_process_do(re
 
 @pytest.mark.zoo
 @pytest.mark.timeout(1300)
-def test_a_resume_that_drops_the_schedule_is_seen(zoo_ranks):
-    for rank, r in enumerate(_case(zoo_ranks, "resume_plant/drop_scheduler")):
+@pytest.mark.parametrize("name", ["resume_plant/drop_scheduler"])
+def test_a_resume_that_drops_the_schedule_is_seen(ranks, name):
+    for rank, r in enumerate(_case(ranks, name)):
         assert max(r["errors"].values()) > 1e-3, (rank, r["errors"])
 
 
 @pytest.mark.timeout(1300)
 @pytest.mark.parametrize("name", _params("bf16/"))
-def test_bf16_mixed_within_one_processs_own_rounding(request, name):
+def test_bf16_mixed_within_one_processs_own_rounding(ranks, name):
     """``Trainer(precision="bf16-mixed")``: every output's dtype is one process's under the same autocast, and
     each weight after an epoch (AdamW, clipping, accumulation) lies within ``BF16_FACTOR`` times one
     process's own bf16 error of that weight (its bf16 run against its float32 run), and within ``BF16_CAP``
     times the largest over the weights. The dtype check
     is what catches autocast ignored inside the network (seen once, planted: float32 outputs; the weights of
     a float32 run lie within bf16's own rounding of a bf16 run, so the tolerance alone cannot)."""
-    for rank, r in enumerate(_case(_pick(request, name), name)):
+    for rank, r in enumerate(_case(ranks, name)):
         assert r["dtypes"] == r["ref_dtypes"] and set(r["dtypes"]) == {"torch.bfloat16"}, (rank, r["dtypes"])
         largest = max(own for _, own in r["weights"].values())
         bad = {k: (v, own) for k, (v, own) in r["weights"].items()
@@ -128,12 +121,13 @@ def test_bf16_mixed_within_one_processs_own_rounding(request, name):
 
 
 @pytest.mark.timeout(1300)
-def test_16_mixed_grad_scaler_skips_the_same_steps_on_every_rank(ranks):
+@pytest.mark.parametrize("name", ["fp16/R2x(2,1)/seg"])
+def test_16_mixed_grad_scaler_skips_the_same_steps_on_every_rank(ranks, name):
     """The ``16-mixed`` plugin with a GradScaler whose first step overflows: the scaler reads summed
     gradients, so every rank skips the same steps (equal scales) and holds the same weights; the first
     overflow is where one process has it. (Later ones may differ: fp16 rounds a whole image and its shards
     differently.)"""
-    per_rank = _case(ranks, "fp16/R2x(2,1)/seg")
+    per_rank = _case(ranks, name)
     first = per_rank[0]
     assert first["dtypes"] == first["ref_dtypes"] and set(first["dtypes"]) == {"torch.float16"}, first["dtypes"]
     assert first["scales"][0] == first["ref_scales"][0] < more.FP16_INIT_SCALE, first
@@ -145,10 +139,10 @@ def test_16_mixed_grad_scaler_skips_the_same_steps_on_every_rank(ranks):
 
 @pytest.mark.timeout(1300)
 @pytest.mark.parametrize("name", _params("metrics/"))
-def test_validation_metrics_reach_the_csv_logger_as_global_values(request, name):
+def test_validation_metrics_reach_the_csv_logger_as_global_values(ranks, name):
     """torchmetrics' accuracy and AUROC over a validation set split between the replicas, logged with
     ``self.log``: rank 0's ``CSVLogger`` writes one process's values over the whole set, not its replica's."""
-    per_rank = _case(_pick(request, name), name)
+    per_rank = _case(ranks, name)
     r0 = per_rank[0]
     assert r0["logged"] is not None and {"val_acc", "val_auc"} <= set(r0["columns"]), r0
     assert r0["global"] != r0["replica"]  # the check below can tell them apart
@@ -158,6 +152,7 @@ def test_validation_metrics_reach_the_csv_logger_as_global_values(request, name)
 
 @pytest.mark.zoo
 @pytest.mark.timeout(1300)
-def test_unsynced_metrics_are_seen(zoo_ranks):
-    r0 = _case(zoo_ranks, "metrics_plant/local")[0]
+@pytest.mark.parametrize("name", ["metrics_plant/local"])
+def test_unsynced_metrics_are_seen(ranks, name):
+    r0 = _case(ranks, name)[0]
     assert r0["logged"] != pytest.approx(r0["global"], abs=1e-6), r0

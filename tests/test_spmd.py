@@ -15,6 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # the ranks import spmd_cases, test_layers and zoo from here
 import spmd_cases  # noqa: E402
+from selection import selected  # noqa: E402
 from verdicts import assert_exact  # noqa: E402
 
 from bigconv.runtime import spmd_launch as launch  # noqa: E402
@@ -24,19 +25,22 @@ SIZES = spmd_cases.case_sizes()
 
 
 class Runs:
-    def __init__(self) -> None:
+    """One spawn per world size, running that size's cases among ``names`` (the session's selection)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
         self.done: dict[int, list[dict]] = {}
 
     def get(self, size: int) -> list[dict]:
         if size not in self.done:
-            names = [n for n, s in SIZES.items() if s == size]
+            names = [n for n in self.names if SIZES[n] == size]
             self.done[size] = launch.run(spmd_cases.run_cases, size, (names,), timeout=600)
         return self.done[size]
 
 
-@pytest.fixture(scope="session")
-def spmd_runs():
-    return Runs()
+@pytest.fixture(scope="module")
+def spmd_runs(request):
+    return Runs(selected(request))
 
 
 def _result(spmd_runs, name):
@@ -87,16 +91,18 @@ def test_the_sabotage_panel_on_spmd_ranks(spmd_runs, name, batchnorm, draws):
 
 
 @pytest.mark.timeout(900)
-def test_halo_exchange_is_its_own_adjoint(spmd_runs):
-    r = _result(spmd_runs, "adjoint")[0]["adjoint"]
+@pytest.mark.parametrize("name", ["adjoint"])
+def test_halo_exchange_is_its_own_adjoint(spmd_runs, name):
+    r = _result(spmd_runs, name)[0][name]
     assert r["messages"] > 0
     assert abs(r["lhs"] - r["rhs"]) <= 1e-12 * abs(r["lhs"]), r
 
 
 @pytest.mark.timeout(900)
-def test_bad_layouts_refused_on_every_rank(spmd_runs):
-    for results in _result(spmd_runs, "bad_input"):
-        r = results["bad_input"]
+@pytest.mark.parametrize("name", ["bad_input"])
+def test_bad_layouts_refused_on_every_rank(spmd_runs, name):
+    for results in _result(spmd_runs, name):
+        r = results[name]
         assert "prod(grid) * replicas" in r["grid-times-replicas"], r
         assert "does not divide" in r["replicas-not-dividing"], r
         assert "positive integer" in r["replicas-not-int"], r
@@ -104,12 +110,13 @@ def test_bad_layouts_refused_on_every_rank(spmd_runs):
 
 
 @pytest.mark.timeout(900)
-def test_a_nan_gradient_behind_a_finite_loss_is_refused_on_every_rank(spmd_runs):
+@pytest.mark.parametrize("name", ["nonfinite_gradient"])
+def test_a_nan_gradient_behind_a_finite_loss_is_refused_on_every_rank(spmd_runs, name):
     """``check_finite`` on SPMD ranks (tests/test_check_finite_gradients.py has the driver mode's)."""
     from test_check_finite_gradients import MESSAGE
 
-    for rank, results in enumerate(_result(spmd_runs, "nonfinite_gradient")):
-        r = results["nonfinite_gradient"]
+    for rank, results in enumerate(_result(spmd_runs, name)):
+        r = results[name]
         assert r["loss_finite"] and r["error"] is not None, (rank, r)
         assert re.match("NonFiniteGradientError: " + MESSAGE, r["error"]), (rank, r)
         assert r["unchanged"] and r["same_as_clean_run"], (rank, r)
