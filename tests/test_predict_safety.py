@@ -153,3 +153,25 @@ def test_a_read_error_on_one_worker_releases_the_others_promptly(world, slide_za
     with open(chunk, "wb") as fh:
         fh.write(good)
     assert torch.equal(net([open_image(slide_zarr, dtype="float64", scale=1 / 255)]), expected)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_overwrite_through_a_symlink_writes_the_links_target(world, slide_zarr, tmp_path):
+    """Issue 52 item 7: ``out=`` a symlink to an output of ours, ``overwrite=True``: the new output goes
+    to the link's target, the link stays a link, no debris is left and the call reports its success."""
+    import zarr
+
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    (tmp_path / "runs").mkdir()
+    target = net.predict(src, out=tmp_path / "runs" / "pred.zarr")
+    zarr.open_array(target, mode="r+")[:] = 0  # the next prediction must replace these values
+    link = tmp_path / "latest.zarr"
+    os.symlink(target, link)
+    path = net.predict(src, out=link, overwrite=True)
+    assert os.path.realpath(path) == os.path.realpath(target)
+    assert os.path.islink(link) and os.path.realpath(link) == os.path.realpath(target)
+    assert zarr.open_array(str(link), mode="r")[:].any()  # the new values, read through the link
+    assert sorted(os.listdir(tmp_path)) == ["in", "latest.zarr", "runs"]
+    assert sorted(os.listdir(tmp_path / "runs")) == ["pred.zarr"]  # no temporary or old copy left

@@ -7,7 +7,8 @@ give chunks of up to ``max_chunk``.
 
 Nothing the user had is ever lost (issue 34). Every array written here carries ``MARK`` in its zarr
 attributes; ``overwrite=True`` replaces only such an array, never a user's folder or array, and an
-``out=`` that is, holds or lies inside an input is refused. The workers write into a temporary
+``out=`` that is, holds or lies inside an input is refused; an ``out=`` that is a symbolic link is written at
+its target (the link stays). The workers write into a temporary
 sibling (``.NAME.bigconv-partial-TOKEN``) that ``finish`` moves into place once every worker is done,
 so a failed run leaves the old output (or nothing) under the final name, never a half-written array.
 """
@@ -83,8 +84,13 @@ def _tiff_is_ours(path: str) -> bool:
 def check_out(out, inputs: Sequence[str], overwrite: bool) -> str:
     """The absolute ``out`` after refusing what would lose data: an ``out`` that is, holds or lies inside
     one of ``inputs`` (paths of the sources read), and an existing ``out`` unless ``overwrite`` and bigconv
-    wrote it. Reads no pixels and sends nothing: every check runs before remote work."""
+    wrote it. Reads no pixels and sends nothing: every check runs before remote work.
+
+    An ``out`` that is a symbolic link stands for its target: the answer is the target's path, so the
+    prediction replaces the target (``overwrite=True``) and the link stays as it was, pointing at it."""
     out = os.path.abspath(os.fspath(out))
+    if os.path.islink(out):  # rename() would replace the link itself by a folder
+        out = os.path.realpath(out)
     real = os.path.realpath(out)
     for src in dict.fromkeys(os.path.realpath(p) for p in inputs):
         if real == src:
