@@ -336,6 +336,7 @@ def _prepared(net, x, out, keep, levels, mpp, classes, max_chunk) -> tuple:
     return kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec
 
 
+@outputs.releasing_claims
 def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float", levels: int | None = None,
             mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
     """``ParallelModel.predict`` (see its doc)."""
@@ -379,6 +380,7 @@ def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep
     return outputs.finish(tmp, path)
 
 
+@outputs.releasing_claims
 def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
                  levels: int | None = None, mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
     """``SpmdModel.predict`` for what the driver mode's ``predict`` writes beyond a plain float array:

@@ -175,3 +175,35 @@ def test_overwrite_through_a_symlink_writes_the_links_target(world, slide_zarr, 
     assert zarr.open_array(str(link), mode="r")[:].any()  # the new values, read through the link
     assert sorted(os.listdir(tmp_path)) == ["in", "latest.zarr", "runs"]
     assert sorted(os.listdir(tmp_path / "runs")) == ["pred.zarr"]  # no temporary or old copy left
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_a_destination_another_run_is_writing_is_refused_before_remote_work(world, slide_zarr, tmp_path, rpc_calls):
+    """Issue 52 item 6: two predictions to one ``out=`` never both succeed. Another process's run holds the
+    claim beside ``out``: this one is refused before any remote work, naming that run; once the claim is
+    gone it runs, and leaves no claim behind, whether it succeeds or fails."""
+    import json
+    import socket
+
+    from bigconv.data import outputs
+
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    out = str(tmp_path / "pred.zarr")
+    claim = outputs.claim_path(out)
+    with open(claim, "w") as fh:  # the run of a live process (pytest's parent) on this host
+        json.dump({"host": socket.gethostname(), "pid": os.getppid(), "token": "t", "since": "now"}, fh)
+    rpc_calls.clear()
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=rf"being written by another prediction \(pid {os.getppid()}"):
+            net.predict(src, out=out, overwrite=overwrite)
+    assert rpc_calls == [] and os.path.exists(claim) and not os.path.exists(out)
+    os.unlink(claim)  # that run ended
+    assert net.predict(src, out=out) == out
+    np.save(tmp_path / "gone.npy", np.zeros((3, 64, 64), np.uint8))
+    gone = [open_image(tmp_path / "gone.npy", dtype="float64", scale=1 / 255)]
+    os.unlink(tmp_path / "gone.npy")
+    with pytest.raises(bigconv.WorkerFailure, match="gone.npy"):
+        net.predict(gone, out=out, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["in", "pred.zarr"]  # no claim left by either run
