@@ -207,3 +207,21 @@ def test_a_destination_another_run_is_writing_is_refused_before_remote_work(worl
     with pytest.raises(bigconv.WorkerFailure, match="gone.npy"):
         net.predict(gone, out=out, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["in", "pred.zarr"]  # no claim left by either run
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep, out", [("probabilities", "pred.zarr"), ("labels", "pred.ome.zarr")])
+def test_nan_outputs_kept_as_uint8_are_refused_naming_where(world, tmp_path, keep, out):
+    """Issue 52 item 10: uint8 probabilities or labels have no value for NaN (they came out as 0: background,
+    class 0, without a word). A NaN input pixel at (40, 41) spreads to the 3x3 around it through the first
+    convolution (5x5 through both): predict refuses, naming how many positions and the first one in the
+    output's own coordinates, and writes nothing."""
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    x = torch.rand(1, 3, 64, 64, dtype=torch.float64)
+    x[0, :, 40, 41] = float("nan")
+    with pytest.raises(bigconv.WorkerFailure, match=r"NaN.* 25 .*\(38, 39\).*keep='float'") as info:
+        net.predict(x, out=tmp_path / out, keep=keep)
+    assert keep in str(info.value) and str(tmp_path / out) in str(info.value)  # the output, as the user named it
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written, no claim or partial left
+    assert not world.broken

@@ -304,6 +304,17 @@ def finish(tmp: str, out: str) -> str:
     return out
 
 
+def shown(path: str) -> str:
+    """The output a staging path stands for, as the user named it: ``/d/.pred.zarr.bigconv-partial-TOKEN/np``
+    is ``/d/pred.zarr/np`` (an OME-TIFF's staging levels: the ``.ome.tif``)."""
+    parts = path.split(os.sep)
+    for i, part in enumerate(parts):
+        if part.startswith(".") and PARTIAL in part:
+            name = part[1:part.index(PARTIAL)]
+            parts[i] = name[:-len(".zarr")] if name.lower().endswith((".tif.zarr", ".tiff.zarr")) else name
+    return os.sep.join(parts)
+
+
 def abandon(tmp: str) -> None:
     """Remove the partial array of a failed prediction (bigconv wrote it, under a name of its own)."""
     if PARTIAL in os.path.basename(tmp) and os.path.isdir(tmp):
