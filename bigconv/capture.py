@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .data import outputs
 from .engine.capture import Captured, Recorder, call_names, cam_map, channel_sums, join, score_gradient
 
 __all__ = ["Captured", "capture", "capture_local", "gradcam", "gradcam_local"]
@@ -130,6 +131,7 @@ def _write(net, plan, layout: dict, path: str, max_chunk: int) -> dict[str, Capt
     return _opened(path)
 
 
+@outputs.releasing_claims
 def capture(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, out=None, overwrite: bool = False,
             max_chunk: int = 1024) -> dict[str, Captured]:
     """The driver mode's ``ParallelModel.capture`` (see the module doc)."""
@@ -195,6 +197,7 @@ def names_of(model: nn.Module) -> Sequence[str]:
 METHODS = ("gradcam", "saliency")
 
 
+@outputs.releasing_claims
 def gradcam(net, x, layer: str | None = None, target=None, *, method: str = "gradcam", out=None,
             overwrite: bool = False, levels: int | None = None, mpp: float | None = None,
             max_chunk: int = 1024):
@@ -282,6 +285,7 @@ def _check_method(net, method: str, layer) -> None:
         check_layers(net.planner.meta, layer)
 
 
+@outputs.releasing_claims
 def gradcam_spmd(net, x, layer: str | None = None, target=None, *, method: str = "gradcam", out=None,
                  overwrite: bool = False, levels: int | None = None, mpp: float | None = None,
                  max_chunk: int = 1024):
@@ -396,6 +400,7 @@ def gradcam_local(model: nn.Module, x: torch.Tensor, layer: str | None = None, t
     return torch.nn.functional.interpolate(cam, size=tuple(x.shape[2:]), mode=mode, align_corners=False)
 
 
+@outputs.releasing_claims
 def capture_spmd(net, layers, x, y=None, loss_fn: Callable | None = None, target=None, *, out=None,
                  overwrite: bool = False, max_chunk: int = 1024) -> dict[str, Captured]:
     """``SpmdModel.capture``: every rank calls it with the same arguments and gets the whole captures;

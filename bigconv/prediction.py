@@ -300,7 +300,8 @@ def _predict_several_spmd(net, x, out, plan, overwrite: bool, several: Several) 
                 writers[-1].first(t)
             else:  # this rank's box of the output's own grid, of its replica's images
                 array_path, box, kind = target
-                outputs.write(array_path, box_index(box, t.dim(), net._items(x)), pyramid.convert(kind, t, t.shape[1]))
+                outputs.write(array_path, box_index(box, t.dim(), net._items(x)),
+                              pyramid.convert(kind, t, t.shape[1], box, array_path))
 
     def together(work, what: str) -> None:
         spmd_outputs.together(net.world, net.engine, work, f"predict ({what})", tmp, f"; {out!r} is as it was")
@@ -336,6 +337,7 @@ def _prepared(net, x, out, keep, levels, mpp, classes, max_chunk) -> tuple:
     return kinds, plan, chunks, dtype, fmt, pixel, unit, channels, spec
 
 
+@outputs.releasing_claims
 def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float", levels: int | None = None,
             mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
     """``ParallelModel.predict`` (see its doc)."""
@@ -379,6 +381,7 @@ def predict(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep
     return outputs.finish(tmp, path)
 
 
+@outputs.releasing_claims
 def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024, keep="float",
                  levels: int | None = None, mpp: float | None = None, classes: Sequence[str] | None = None) -> str:
     """``SpmdModel.predict`` for what the driver mode's ``predict`` writes beyond a plain float array:
@@ -421,7 +424,7 @@ def predict_spmd(net, x, out, *, overwrite: bool = False, max_chunk: int = 1024,
         else:
             box = shard_box(plan.out_shape, plan.grid, coord)
             outputs.write(tmp, box_index(box, result.dim(), net._items(x)),
-                          pyramid.convert(kinds[0], result, channels))
+                          pyramid.convert(kinds[0], result, channels, box, tmp))
 
     together(first, "level 0")
     for k in range(1, spec.levels if spec is not None else 1):

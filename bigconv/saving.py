@@ -56,7 +56,8 @@ def _owner_tag() -> str:
     return f"{socket.gethostname().replace('.', '_')}.{os.getpid()}"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,7 +79,7 @@ def sweep_stale(path: str) -> None:
     unknown = []
     for other in sorted(glob.glob(os.path.join(glob.escape(folder), glob.escape(name) + ".*.tmp"))):
         match = ours.match(os.path.basename(other))
-        if match and match["host"] == host and int(match["pid"]) != os.getpid() and not _alive(int(match["pid"])):
+        if match and match["host"] == host and int(match["pid"]) != os.getpid() and not process_alive(int(match["pid"])):
             try:
                 os.unlink(other)
             except FileNotFoundError:  # another save swept it first

@@ -153,3 +153,75 @@ def test_a_read_error_on_one_worker_releases_the_others_promptly(world, slide_za
     with open(chunk, "wb") as fh:
         fh.write(good)
     assert torch.equal(net([open_image(slide_zarr, dtype="float64", scale=1 / 255)]), expected)
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_overwrite_through_a_symlink_writes_the_links_target(world, slide_zarr, tmp_path):
+    """Issue 52 item 7: ``out=`` a symlink to an output of ours, ``overwrite=True``: the new output goes
+    to the link's target, the link stays a link, no debris is left and the call reports its success."""
+    import zarr
+
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    (tmp_path / "runs").mkdir()
+    target = net.predict(src, out=tmp_path / "runs" / "pred.zarr")
+    zarr.open_array(target, mode="r+")[:] = 0  # the next prediction must replace these values
+    link = tmp_path / "latest.zarr"
+    os.symlink(target, link)
+    path = net.predict(src, out=link, overwrite=True)
+    assert os.path.realpath(path) == os.path.realpath(target)
+    assert os.path.islink(link) and os.path.realpath(link) == os.path.realpath(target)
+    assert zarr.open_array(str(link), mode="r")[:].any()  # the new values, read through the link
+    assert sorted(os.listdir(tmp_path)) == ["in", "latest.zarr", "runs"]
+    assert sorted(os.listdir(tmp_path / "runs")) == ["pred.zarr"]  # no temporary or old copy left
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+def test_a_destination_another_run_is_writing_is_refused_before_remote_work(world, slide_zarr, tmp_path, rpc_calls):
+    """Issue 52 item 6: two predictions to one ``out=`` never both succeed. Another process's run holds the
+    claim beside ``out``: this one is refused before any remote work, naming that run; once the claim is
+    gone it runs, and leaves no claim behind, whether it succeeds or fails."""
+    import json
+    import socket
+
+    from bigconv.data import outputs
+
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    src = [open_image(slide_zarr, dtype="float64", scale=1 / 255)]
+    out = str(tmp_path / "pred.zarr")
+    claim = outputs.claim_path(out)
+    with open(claim, "w") as fh:  # the run of a live process (pytest's parent) on this host
+        json.dump({"host": socket.gethostname(), "pid": os.getppid(), "token": "t", "since": "now"}, fh)
+    rpc_calls.clear()
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=rf"being written by another prediction \(pid {os.getppid()}"):
+            net.predict(src, out=out, overwrite=overwrite)
+    assert rpc_calls == [] and os.path.exists(claim) and not os.path.exists(out)
+    os.unlink(claim)  # that run ended
+    assert net.predict(src, out=out) == out
+    np.save(tmp_path / "gone.npy", np.zeros((3, 64, 64), np.uint8))
+    gone = [open_image(tmp_path / "gone.npy", dtype="float64", scale=1 / 255)]
+    os.unlink(tmp_path / "gone.npy")
+    with pytest.raises(bigconv.WorkerFailure, match="gone.npy"):
+        net.predict(gone, out=out, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["in", "pred.zarr"]  # no claim left by either run
+
+
+@pytest.mark.world(4)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep, out", [("probabilities", "pred.zarr"), ("labels", "pred.ome.zarr")])
+def test_nan_outputs_kept_as_uint8_are_refused_naming_where(world, tmp_path, keep, out):
+    """Issue 52 item 10: uint8 probabilities or labels have no value for NaN (they came out as 0: background,
+    class 0, without a word). A NaN input pixel at (40, 41) spreads to the 3x3 around it through the first
+    convolution (5x5 through both): predict refuses, naming how many positions and the first one in the
+    output's own coordinates, and writes nothing."""
+    net = bigconv.parallelize(dense(), world, grid=(2, 2))
+    x = torch.rand(1, 3, 64, 64, dtype=torch.float64)
+    x[0, :, 40, 41] = float("nan")
+    with pytest.raises(bigconv.WorkerFailure, match=r"NaN.* 25 .*\(38, 39\).*keep='float'") as info:
+        net.predict(x, out=tmp_path / out, keep=keep)
+    assert keep in str(info.value) and str(tmp_path / out) in str(info.value)  # the output, as the user named it
+    assert sorted(os.listdir(tmp_path)) == []  # nothing written, no claim or partial left
+    assert not world.broken

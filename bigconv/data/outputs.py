@@ -7,27 +7,44 @@ give chunks of up to ``max_chunk``.
 
 Nothing the user had is ever lost (issue 34). Every array written here carries ``MARK`` in its zarr
 attributes; ``overwrite=True`` replaces only such an array, never a user's folder or array, and an
-``out=`` that is, holds or lies inside an input is refused. The workers write into a temporary
+``out=`` that is, holds or lies inside an input is refused; an ``out=`` that is a symbolic link is written at
+its target (the link stays). The workers write into a temporary
 sibling (``.NAME.bigconv-partial-TOKEN``) that ``finish`` moves into place once every worker is done,
 so a failed run leaves the old output (or nothing) under the final name, never a half-written array.
+
+One run at a time per destination (issue 52). ``check_out`` claims ``out`` before it looks at it: it creates
+``.NAME.bigconv-claim`` beside it exclusively (``O_EXCL``: of two runs, one wins), holding this process's host,
+pid and a token. A second run to the same ``out`` is refused while the claim stands, naming the holder and the
+claim file; so a run with ``overwrite=False`` that found no ``out`` can never have it replaced by another run
+(``finish`` refuses an ``out`` that appeared meanwhile unless the claim says ``overwrite``). The claim goes
+when the run ends: ``finish`` removes it, and the front ends' ``releasing_claims`` removes it whatever the
+run's outcome. A claim a killed run left is taken over when its process on this host is gone; one of another
+host (or an unreadable one) is only named: delete it once that run is known to be gone.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
+import json
 import math
 import os
 import shutil
+import socket
+import threading
+import time
 import uuid
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..geometry.boxes import all_coords, shard_box
+from ..saving import process_alive
 
 MIN_CHUNK = 16
 MARK_KEY = "bigconv"
 MARK = {"kind": "prediction", "format": 1}
 PARTIAL = ".bigconv-partial-"
+CLAIM = ".bigconv-claim"
 
 
 def aligned_chunks(spatial: Sequence[int], grid: Sequence[int], max_chunk: int = 1024) -> tuple[int, ...]:
@@ -83,8 +100,14 @@ def _tiff_is_ours(path: str) -> bool:
 def check_out(out, inputs: Sequence[str], overwrite: bool) -> str:
     """The absolute ``out`` after refusing what would lose data: an ``out`` that is, holds or lies inside
     one of ``inputs`` (paths of the sources read), and an existing ``out`` unless ``overwrite`` and bigconv
-    wrote it. Reads no pixels and sends nothing: every check runs before remote work."""
+    wrote it, and while another run holds ``out``'s claim. Claims ``out`` for this run (``claim``) before it
+    looks whether ``out`` exists. Reads no pixels and sends nothing: every check runs before remote work.
+
+    An ``out`` that is a symbolic link stands for its target: the answer is the target's path, so the
+    prediction replaces the target (``overwrite=True``) and the link stays as it was, pointing at it."""
     out = os.path.abspath(os.fspath(out))
+    if os.path.islink(out):  # rename() would replace the link itself by a folder
+        out = os.path.realpath(out)
     real = os.path.realpath(out)
     for src in dict.fromkeys(os.path.realpath(p) for p in inputs):
         if real == src:
@@ -94,14 +117,124 @@ def check_out(out, inputs: Sequence[str], overwrite: bool) -> str:
             raise ValueError(f"out={out!r} lies inside the input {src!r}; write the prediction outside it")
         if os.path.commonpath([real, src]) == real:
             raise ValueError(f"out={out!r} holds the input {src!r}; write the prediction to a path of its own")
-    if os.path.lexists(out):
-        if not overwrite:
-            raise ValueError(f"{out!r} exists; choose another out= or pass overwrite=True")
-        if not is_ours(out):
-            raise ValueError(f"{out!r} exists and was not written by bigconv (no {MARK_KEY!r} mark in zarr "
-                             "attributes); overwrite=True replaces only bigconv's own outputs. Choose another out= "
-                             "or move it away yourself")
+    claim(out, overwrite)
+    try:
+        if os.path.lexists(out):
+            if not overwrite:
+                raise ValueError(f"{out!r} exists; choose another out= or pass overwrite=True")
+            if not is_ours(out):
+                raise ValueError(f"{out!r} exists and was not written by bigconv (no {MARK_KEY!r} mark in zarr "
+                                 "attributes); overwrite=True replaces only bigconv's own outputs. Choose another "
+                                 "out= or move it away yourself")
+    except BaseException:
+        release(out)
+        raise
     return out
+
+
+_claims: dict[str, tuple[str, bool, int]] = {}
+"""This process's claims: ``out`` -> (token, overwrite, the thread that took it)."""
+
+
+def claim_path(out: str) -> str:
+    folder, name = os.path.split(out)
+    return os.path.join(folder, f".{name}{CLAIM}")
+
+
+def claim(out: str, overwrite: bool) -> None:
+    """Claim ``out`` (absolute) for this run: create its claim file exclusively, or refuse naming the run that
+    holds it. A claim of this host whose process is gone (or of this process but no run of it) is stale and
+    taken over."""
+    path = claim_path(out)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    token = uuid.uuid4().hex
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "token": token,
+              "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _holder(path)
+            if holder is None or not _stale(holder) or not _remove_stale(path, holder):
+                raise ValueError(_claimed_message(out, path, holder)) from None
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh)
+        _claims[out] = (token, overwrite, threading.get_ident())
+        return
+    raise ValueError(_claimed_message(out, path, _holder(path)))
+
+
+def _holder(path: str) -> dict | None:
+    """The claim file's record; None when it is unreadable (being written this instant, or not ours)."""
+    try:
+        with open(path) as fh:
+            holder = json.load(fh)
+        return holder if isinstance(holder, dict) and isinstance(holder.get("pid"), int) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _stale(holder: dict) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return False  # another host's process: cannot tell from here
+    if holder["pid"] == os.getpid():
+        return all(token != holder.get("token") for token, _, _ in _claims.values())
+    return not process_alive(holder["pid"])
+
+
+def _remove_stale(path: str, holder: dict) -> bool:
+    """Remove the stale claim ``holder`` at ``path``; False if another run replaced it meanwhile (put back)."""
+    aside = f"{path}.stale-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:  # another run removed it first
+        return True
+    if _holder(aside) == holder:
+        os.unlink(aside)
+        return True
+    try:  # a fresh claim, taken since we read the stale one: give it back
+        os.link(aside, path)
+    except OSError:
+        pass
+    os.unlink(aside)
+    return False
+
+
+def _claimed_message(out: str, path: str, holder: dict | None) -> str:
+    who = (f"pid {holder['pid']} on {holder.get('host')} since {holder.get('since')}" if holder
+           else "a run whose claim cannot be read")
+    return (f"{out!r} is being written by another prediction ({who}; claim {path!r}); wait for it to finish or "
+            f"choose another out=. If that run is gone (a crash on another host), delete {path!r}")
+
+
+def release(out: str) -> None:
+    """Drop this process's claim on ``out`` (its file, if it still holds this run's token)."""
+    held = _claims.pop(out, None)
+    if held is None:
+        return
+    path = claim_path(out)
+    holder = _holder(path)
+    if holder is not None and holder.get("token") == held[0]:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def releasing_claims(fn: Callable) -> Callable:
+    """``fn`` (a front end's ``predict``, ``capture``...) releasing, however it ends, every claim it took."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = set(_claims)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            me = threading.get_ident()
+            for out in [o for o, (_, _, thread) in list(_claims.items()) if thread == me and o not in before]:
+                release(out)
+
+    return wrapper
 
 
 def stale_partials(out: str) -> list[str]:
@@ -148,18 +281,38 @@ def temporary(out: str, staging: str | None = None) -> str:
 
 
 def finish(tmp: str, out: str) -> str:
-    """Move the complete array ``tmp`` to ``out``, replacing an older output of ours there."""
-    if os.path.lexists(out):
-        if not is_ours(out):  # it appeared while the workers ran
-            raise ValueError(f"{out!r} appeared during the prediction and was not written by bigconv; the prediction "
-                             f"is kept at {tmp!r}")
-        old = tmp + "-old"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
-    else:
-        os.rename(tmp, out)
+    """Move the complete array ``tmp`` to ``out``, replacing an older output of ours there only when this
+    run's claim says ``overwrite`` (a run without one: as before claims, an output of ours); then release
+    the claim."""
+    try:
+        if os.path.lexists(out):
+            if not is_ours(out):  # it appeared while the workers ran
+                raise ValueError(f"{out!r} appeared during the prediction and was not written by bigconv; the "
+                                 f"prediction is kept at {tmp!r}")
+            if not _claims.get(out, ("", True, 0))[1]:
+                raise ValueError(f"{out!r} appeared during the prediction (written by a run that took no claim, "
+                                 f"such as an older bigconv's) and overwrite=False keeps it; the prediction is kept "
+                                 f"at {tmp!r}")
+            old = tmp + "-old"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old) if os.path.isdir(old) else os.unlink(old)
+        else:
+            os.rename(tmp, out)
+    finally:
+        release(out)
     return out
+
+
+def shown(path: str) -> str:
+    """The output a staging path stands for, as the user named it: ``/d/.pred.zarr.bigconv-partial-TOKEN/np``
+    is ``/d/pred.zarr/np`` (an OME-TIFF's staging levels: the ``.ome.tif``)."""
+    parts = path.split(os.sep)
+    for i, part in enumerate(parts):
+        if part.startswith(".") and PARTIAL in part:
+            name = part[1:part.index(PARTIAL)]
+            parts[i] = name[:-len(".zarr")] if name.lower().endswith((".tif.zarr", ".tiff.zarr")) else name
+    return os.sep.join(parts)
 
 
 def abandon(tmp: str) -> None:

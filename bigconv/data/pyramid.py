@@ -85,8 +85,15 @@ def kept_channels(kind: str, channels: int) -> int:
     return 1 if kind == "labels" else channels
 
 
-def convert(kind: str, out, channels: int):
-    """What is kept of the model's output ``out`` (a torch tensor (N, C, *spatial)), as a numpy array."""
+def convert(kind: str, out, channels: int, box: Sequence[tuple[int, int]] | None = None, where: str = ""):
+    """What is kept of the model's output ``out`` (a torch tensor (N, C, *spatial)), as a numpy array.
+
+    uint8 probabilities and labels have no value for NaN (a cast would make it 0: background, class 0), and
+    no no-data value is defined for them: a NaN there (in the output, or made by the softmax from infinities)
+    is a ``ValueError`` naming the output (``where``: the array's path, staging or not), the kind, how many
+    positions hold one and the first (in the output's spatial coordinates when ``box``, this region's place in
+    the output, is given), before anything is written.
+    ``float`` and ``float16`` keep NaN as it is."""
     import torch
 
     out = out.detach()
@@ -96,8 +103,30 @@ def convert(kind: str, out, channels: int):
         return out.to(torch.float16).cpu().numpy()
     if kind == "probabilities":
         p = torch.sigmoid(out) if channels == 1 else torch.softmax(out, dim=1)
+        _refuse_nan(kind, p, box, where)
         return torch.round(p.double() * 255).clamp(0, 255).to(torch.uint8).cpu().numpy()
+    _refuse_nan(kind, out, box, where)
     return out.argmax(dim=1, keepdim=True).cpu().numpy().astype(kept_dtype(kind, "", channels))
+
+
+def _refuse_nan(kind: str, values, box: Sequence[tuple[int, int]] | None, where: str) -> None:
+    """The ``ValueError`` of ``convert`` when ``values`` (N, C, *spatial) hold NaN at some position."""
+    import torch
+
+    nan = torch.isnan(values).any(dim=1)
+    if not bool(nan.any()):
+        return
+    first = [int(i) for i in torch.nonzero(nan)[0]]
+    image, at = first[0], first[1:]
+    if box is not None:
+        at = [a + i for (a, _), i in zip(box, at)]
+    region = f" of this region {tuple(tuple(b) for b in box)}" if box is not None else ""
+    output = f"{outputs.shown(where)!r}: " if where else ""
+    raise ValueError(
+        f"{output}keep={kind!r} writes uint8, which has no value for NaN, and the model's output holds NaN at "
+        f"{int(nan.sum())} of {nan.numel()} positions{region} (the first: image {image}, position {tuple(at)}); "
+        "cast, they would read as 0 (background, class 0). Find what makes NaN there (check_finite=True refuses "
+        "a NaN input), or keep='float' or 'float16', which keep NaN as NaN")
 
 
 def reduce(values: np.ndarray, kind: str, spatial: int) -> np.ndarray:
@@ -216,7 +245,7 @@ class LevelWriter:
 
         box = self.spec.region(0, self.coord)
         for kind, group in self.spec.arrays():
-            values = convert(kind, out, self.spec.channels)[0]
+            values = convert(kind, out, self.spec.channels, box, array_path(self.root, group, 0))[0]
             zarr.open_array(array_path(self.root, group, 0), mode="r+")[_index(box)] = values
             self.kept[kind] = (box, values)
 

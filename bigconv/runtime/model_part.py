@@ -182,7 +182,7 @@ class ModelPart:
         from ..data import outputs, pyramid
 
         out = self.forward(shard, grad=False)
-        outputs.write(path, box_index(box, out.dim()), pyramid.convert(keep, out, out.shape[1]))
+        outputs.write(path, box_index(box, out.dim()), pyramid.convert(keep, out, out.shape[1], box, path))
 
     def predict_several(self, shard: ShardCall, targets: list, keep: str = "float") -> None:
         """``predict`` of a model with several outputs: ``targets[i]`` is, for output tensor i, ``(zarr array
@@ -202,7 +202,7 @@ class ModelPart:
                 writers[-1].first(t)
                 continue
             path, box, kind = target if len(target) == 3 else (*target, keep)
-            outputs.write(path, box_index(box, t.dim()), pyramid.convert(kind, t, t.shape[1]))
+            outputs.write(path, box_index(box, t.dim()), pyramid.convert(kind, t, t.shape[1], box, path))
         if writers:
             self.pyramid = pyramid.Writers(writers)
 

@@ -1,6 +1,8 @@
 """A store every SPMD rank writes a part of (``predict``, ``gradcam`` and ``capture`` with ``out=``): rank 0
 makes it, and every rank learns of every rank's failure before the next step.
 
+``done_by_rank_zero`` is the same for work rank 0 alone does (``net.save``'s write): every rank learns its outcome.
+
 Rank 0 alone checks ``out`` and makes the store (two ranks creating one zarr group would race), then
 broadcasts what it made or why it refused, so that every rank returns or raises the same. After each
 stage every rank writes (level 0, then each pyramid level from the one above), one ``all_gather`` of
@@ -37,6 +39,25 @@ def made_by_rank_zero(world, engine, make: Callable[[], Any], what: str) -> Any:
     if refused:
         raise ValueError(f"{what} refused on rank 0: {refused}")
     return made
+
+
+def done_by_rank_zero(world, engine, work: Callable[[], Any], what: str) -> Any:
+    """``work()`` on rank 0 alone (``net.save``'s write), its result on every rank once it is done; if it
+    raised there, every rank raises ``WorkerFailure("{what} failed on rank 0: ...")`` with rank 0's error,
+    promptly (rank 0's own from it), instead of leaving the others at a later collective until its timeout."""
+    result = failure = error = None
+    if world.rank == 0:
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, every rank must hear of it
+            failure, error = f"{type(exc).__name__}: {exc}", exc
+    shared = [(result, failure)]
+    with engine.naming_lost_ranks(f"{what}: rank 0's outcome"):
+        dist.broadcast_object_list(shared, src=0)
+    result, failure = shared[0]
+    if failure:
+        raise WorkerFailure(f"{what} failed on rank 0: {failure}") from error
+    return result
 
 
 def agree(world, engine, failure: str | None, what: str, tmp: str | None, after: str = "") -> None:

@@ -50,6 +50,7 @@ from ..ops.random import draws_problem, draws_to_load, random_seed, saved_draws
 from ..ops.support import unwrap_compiled
 from ..transport import new_stats
 from ..transport.p2p import shard_runtime
+from ..runtime import spmd_outputs
 from ..runtime.spmd_world import SpmdWorld
 
 
@@ -396,7 +397,9 @@ class SpmdModel(nn.Module):
 
     def save(self, path, extra: dict | None = None, epoch: int | None = None) -> str:
         """Rank 0 writes the file (the driver mode's format, ``extra``, the scheduler's state, ``epoch`` and the
-        random draws' seed and forward count included); every rank returns once it is on disk."""
+        random draws' seed and forward count included); every rank returns once it is on disk, or raises
+        ``WorkerFailure("save of PATH failed on rank 0: ...")`` with rank 0's error (a full disk, a folder it
+        cannot make) as soon as rank 0 met it."""
         epoch = epoch if epoch is not None else self.epoch
         # What load could not read back is refused on every rank alike, before any message (rank 0 alone would
         # leave the others at the barrier).
@@ -405,14 +408,16 @@ class SpmdModel(nn.Module):
         with self.engine.naming_lost_ranks("save: gathering the ranks' generator states"):
             dist.all_gather_object(parts, (rng_state(torch.device("cpu")), self.engine.draws_state()))
         self.epoch = epoch
-        if self.world.rank == 0:
+
+        def write() -> None:  # on rank 0 only; every rank learns how it went
             ck = saving.checkpoint(self.engine.state_dict(), self.engine.optimizer_state(), self.optimizer_class,
                                    self.steps, [rng for rng, _ in parts], self.world.size,
                                    grid=list(self.grid) if self.grid else None, extra=extra,
                                    scheduler=self.engine.scheduler_state(), epoch=self.epoch,
                                    draws=saved_draws([d for _, d in parts]))
             saving.atomic_save(ck, path)
-        self.world.barrier()
+
+        spmd_outputs.done_by_rank_zero(self.world, self.engine, write, f"save of {str(path)!r}")
         return str(path)
 
     def load(self, path) -> "SpmdModel":
