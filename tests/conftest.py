@@ -44,6 +44,12 @@ class WorldManager:
             self.world = None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--capability", default=None, metavar="WORDS",
+                     help="run only the fast tier's tests of the capabilities (tests/tiers.py) whose title holds "
+                          "WORDS, e.g. --capability attention")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "world(n): the test needs a shared World of n workers")
     config.addinivalue_line("markers", "own_world: the test starts its own World (the shared one is closed first)")
@@ -59,6 +65,11 @@ def _order(item) -> tuple:
     return (1, marker.args[0]) if marker else (0, 0)
 
 
+def _tier_entry(item) -> str | None:
+    nodeid = item.nodeid.split("tests/", 1)[-1] if item.nodeid.startswith("tests/") else item.nodeid
+    return fast_match(nodeid)
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: the tier is a marker like any other
 def pytest_collection_modifyitems(session, config, items):
     """Every test not in ``tiers.FAST`` is ``slow``; a FAST entry that names no test fails the session (a
@@ -66,14 +77,24 @@ def pytest_collection_modifyitems(session, config, items):
     unused = set(p for group in FAST.values() for p in group)
     both = []
     for item in items:
-        nodeid = item.nodeid.split("tests/", 1)[-1] if item.nodeid.startswith("tests/") else item.nodeid
-        hit = fast_match(nodeid)
+        hit = _tier_entry(item)
         if hit is None:
             item.add_marker(pytest.mark.slow)
         else:
             unused.discard(hit)
             if not hit.endswith(".py") and any(item.get_closest_marker(m) for m in ("slow", "zoo", "soak")):
-                both.append(nodeid)
+                both.append(item.nodeid)
+    wanted = config.getoption("capability")
+    if wanted:
+        groups = [title for title in FAST if wanted.lower() in title.lower()]
+        if not groups:
+            raise pytest.UsageError(f"--capability {wanted!r} names none of tests/tiers.py's capabilities: "
+                                    + "; ".join(FAST))
+        keep = {entry for title in groups for entry in FAST[title]}
+        fast = [item for item in items if _tier_entry(item) in keep
+                and not any(item.get_closest_marker(m) for m in ("slow", "zoo", "soak"))]
+        config.hook.pytest_deselected(items=[item for item in items if item not in fast])
+        items[:] = fast
     if both:
         raise pytest.UsageError(f"tests/tiers.py's FAST names tests marked slow, zoo or soak: {both[:5]}")
     whole = not config.args or [os.path.normpath(a) for a in config.args] == ["tests"]
