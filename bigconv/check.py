@@ -464,6 +464,22 @@ class HelpFormatter(cli.HelpFormatter):
         return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
 
+def check_input_dims(model: nn.Module, shape: tuple[int, ...]) -> None:
+    """Raise a ``ValueError`` naming ``--input`` where its spatial dims are not those of every convolution of
+    the model (a forgotten batch dim: 3x1024x1024 for a 2-D model reads as batch 3, 1024 channels, one
+    spatial dim), before a dry run would refuse the convolution instead."""
+    kinds = {len(m.kernel_size) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)}
+    dims = len(shape) - 2
+    if len(kinds) != 1 or dims in kinds:
+        return
+    (d,) = kinds
+    given = "x".join(map(str, shape))
+    example = f"; if the batch dim is missing: 1x{given}" if dims + 1 == d else ""
+    raise ValueError(f"--input {given} is batch {shape[0]} x {shape[1]} channels x {dims} spatial dim(s), but the "
+                     f"model's convolutions are {d}-D: give batch x channels x {d} spatial dims (N,C,spatial...)"
+                     f"{example}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bigconv.check",
@@ -600,6 +616,7 @@ def check(args) -> dict:
         raise ValueError(f"--grid {grid} has {len(grid)} entries but the input has {dims} spatial dims")
     result = {"model": args.model, "input": list(shape), "workers": args.workers, "grid": list(grid)}
     model = build_model(args.model)
+    check_input_dims(model, shape)
     try:
         attention, attention_bytes = [], []
         rows, error = layer_report(model, shape, grid, attention=attention, attention_bytes=attention_bytes)
@@ -720,6 +737,7 @@ def planning(args) -> int:
         raise ValueError(f"--grid {args.grid} has {len(args.grid)} entries but the input has "
                          f"{len(args.input) - 2} spatial dims")
     model = build_model(args.model)
+    check_input_dims(model, tuple(args.input))
     r = plan_report.plan(args, model)
     print(json.dumps(r, indent=1) if args.json else plan_report.report(r, layers=args.layers))
     return 0 if r["decomposable"] and r["plan"]["fits"] else 1
