@@ -46,7 +46,7 @@ import torch.nn as nn
 from .geometry.boxes import (
     TransposedWindow, Window, balanced_bounds, check_positive_int, choose_grid, shard_box, validate_grid,
 )
-from .harness import devices
+from .harness import cli, devices
 from .harness.model_spec import FORMS, OPTIMIZER_FORMS, OPTIMIZERS, build_model, build_optimizer
 from .ops.shards import (
     GATHER_ATTR, WHOLE_WINDOWS_ATTR, WindowGrid, global_shape, is_replicated, lead, positions, prefix, spatial_dims,
@@ -457,13 +457,36 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+class HelpFormatter(cli.HelpFormatter):
+    """``bigconv.harness.cli``'s defaults (appended only where the help names none), the description wrapped."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+
+def check_input_dims(model: nn.Module, shape: tuple[int, ...]) -> None:
+    """Raise a ``ValueError`` naming ``--input`` where its spatial dims are not those of every convolution of
+    the model (a forgotten batch dim: 3x1024x1024 for a 2-D model reads as batch 3, 1024 channels, one
+    spatial dim), before a dry run would refuse the convolution instead."""
+    kinds = {len(m.kernel_size) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)}
+    dims = len(shape) - 2
+    if len(kinds) != 1 or dims in kinds:
+        return
+    (d,) = kinds
+    given = "x".join(map(str, shape))
+    example = f"; if the batch dim is missing: 1x{given}" if dims + 1 == d else ""
+    raise ValueError(f"--input {given} is batch {shape[0]} x {shape[1]} channels x {dims} spatial dim(s), but the "
+                     f"model's convolutions are {d}-D: give batch x channels x {d} spatial dims (N,C,spatial...)"
+                     f"{example}")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bigconv.check",
         description="Will this model train with bigconv on this input, and what will each process need? "
                     "Runs the dry run (no memory), reports every windowed layer's shard and halo, estimates "
                     "the per-process peak from two small measured runs, and checks exactness on a small input.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("model", help=f"the model: {FORMS}")
     p.add_argument("--input", type=parse_shape, required=True, help="input shape, batch x channels x spatial")
     p.add_argument("--workers", type=int, default=4, help="processes the input is split over")
@@ -489,12 +512,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu", default=None,
                    help=f"the GPU: {', '.join(devices.GPUS)}; NAME:key=value,... overrides figures "
                         "(h100-80gb:memory_gib=64), a JSON file gives your own")
-    g.add_argument("--link", default=None, help=f"link between the GPUs of a node: {', '.join(devices.LINKS)} "
+    g.add_argument("--link", default=None, help=f"link between the GPUs of a node: {', '.join(devices.INTRA_LINKS)} "
                                                  "(default: the GPU's usual one)")
     g.add_argument("--nodes", type=int, default=None,
                    help="nodes the GPUs sit on (default: as many as the GPU's usual node size needs)")
     g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the GPU's usual node)")
-    g.add_argument("--inter", default=None, help="link between nodes (default: the GPU's usual one)")
+    g.add_argument("--inter", default=None, help=f"link between nodes: {', '.join(devices.INTER_LINKS)} "
+                                                  "(default: the GPU's usual one)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
                    help="the model's and the activations' dtype")
     g.add_argument("--amp", default=None, choices=["bfloat16", "float16"],
@@ -592,6 +616,7 @@ def check(args) -> dict:
         raise ValueError(f"--grid {grid} has {len(grid)} entries but the input has {dims} spatial dims")
     result = {"model": args.model, "input": list(shape), "workers": args.workers, "grid": list(grid)}
     model = build_model(args.model)
+    check_input_dims(model, shape)
     try:
         attention, attention_bytes = [], []
         rows, error = layer_report(model, shape, grid, attention=attention, attention_bytes=attention_bytes)
@@ -712,6 +737,7 @@ def planning(args) -> int:
         raise ValueError(f"--grid {args.grid} has {len(args.grid)} entries but the input has "
                          f"{len(args.input) - 2} spatial dims")
     model = build_model(args.model)
+    check_input_dims(model, tuple(args.input))
     r = plan_report.plan(args, model)
     print(json.dumps(r, indent=1) if args.json else plan_report.report(r, layers=args.layers))
     return 0 if r["decomposable"] and r["plan"]["fits"] else 1

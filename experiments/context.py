@@ -642,7 +642,8 @@ def main(argv=None) -> None:
     parser.add_argument("--trials-only", action="store_true", dest="trials_only",
                         help="run the learning-rate trials and record the selections, then stop (the test runs "
                         "reuse them later; how many steps a method needs shows in each trial's loss_curve)")
-    parser.add_argument("--figure", default=None, help="figure path stem (default figures/context[_quick|_scaled])")
+    parser.add_argument("--figure", default=None, help="figure path stem (default context[_quick|_scaled] beside a "
+                        "given --out, else in figures/)")
     parser.add_argument("--report", action="store_true", help="train nothing: print the table and draw the figure "
                         "from the records already in --out")
     args = parser.parse_args(argv)
@@ -683,8 +684,8 @@ def main(argv=None) -> None:
     print("\n".join(trials_table(s, recs) + table(mine)))
     from plots import context as plot
 
-    stem = args.figure or ("figures/context_quick" if s.quick else "figures/context_scaled" if args.scaled
-                           else "figures/context")
+    name = "context_quick" if s.quick else "context_scaled" if args.scaled else "context"
+    stem = args.figure or os.path.join(os.path.dirname(args.out) if args.out else "figures", name)
     for p in plot.draw(mine, stem, title=f"{s.size}² images, {s.tile}² tiles, {s.digit}-px digits, "
                                           f"{s.steps} steps x {s.batch}"):
         print(p)

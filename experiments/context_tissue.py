@@ -757,7 +757,8 @@ def main(argv=None) -> None:
     parser.add_argument("--time", action="store_true", help="print every method's CPU time per step and per "
                         "validation image (20 steps each, nothing recorded) and stop")
     parser.add_argument("--report", action="store_true", help="train nothing: print the tables from --out")
-    parser.add_argument("--figure", help="figure path stem (default figures/context_tissue[_quick])")
+    parser.add_argument("--figure", help="figure path stem (default context_tissue[_quick] beside a given --out, "
+                        "else in figures/)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     given = {k: v for k, v in vars(args).items() if k in ("size", "tile", "tasks", "methods", "seeds", "max_steps",
@@ -781,7 +782,8 @@ def main(argv=None) -> None:
     print("\n".join(report(s, recs)))
     from plots import context_tissue as plot
 
-    stem = args.figure or ("figures/context_tissue_quick" if s.quick else "figures/context_tissue")
+    name = "context_tissue_quick" if s.quick else "context_tissue"
+    stem = args.figure or os.path.join(os.path.dirname(args.out) if args.out else "figures", name)
     chosen = {(t, m): selection(s, t, m, recs)["chosen_lr"] for t in s.tasks for m in s.methods}
     for p in plot.draw_accuracy(mine(s, recs), stem, chosen) + plot.draw_curves(mine(s, recs), f"{stem}_curves"):
         print(p)

@@ -42,7 +42,8 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "demo.json")
     with open(path, "w") as fh:
-        json.dump({"size": w.size, "steps": w.steps, "distributed": {k: v for k, v in r.items() if k != "net"},
+        # steps: every SGD step each run took, the warm-up one included (the printed count)
+        json.dump({"size": w.size, "steps": w.steps + 1, "warmup_steps": 1, "distributed": {k: v for k, v in r.items() if k != "net"},
                    "plain": plain}, fh, indent=1, default=str)
     print(f"wrote {os.path.abspath(path)}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 from pathlib import Path
 
@@ -108,15 +109,28 @@ def _stat(values: list[float | None]) -> str:
     return f"{mean:.1f} ± {100 * statistics.stdev(values):.1f}"
 
 
+def diverged(line: dict) -> bool:
+    """Whether the run's training loss ended not finite (nan, inf): its accuracies are a broken model's
+    (chance), not a result."""
+    losses = [h.get("loss") for h in line.get("history", []) if h.get("loss") is not None]
+    return bool(losses) and not math.isfinite(losses[-1])
+
+
 def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
     """Markdown: per method, mean ± std over the seeds of the target accuracy, its polarity split, source
-    accuracy, the domain diagnostics and private-code collapse; then the bar's verdict."""
+    accuracy, the domain diagnostics and private-code collapse; then the bar's verdict. A diverged run
+    (``diverged``) reads "diverged" and is left out of the means and the verdict."""
     rows = ["| method | seeds | target acc % | target val acc % | strokes light % | strokes dark % | source acc % "
             "| domain clf acc % | domain probe acc % | private codes | train s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gone = [r for r in lines if r["target"] == target and r["seed"] in seeds and diverged(r)]
+    lines = [r for r in lines if not diverged(r)]
     means = {}
     for m in METHODS:
+        lost = sorted(r["seed"] for r in gone if r["method"] == m)
         mine = [r for r in lines if r["method"] == m and r["target"] == target and r["seed"] in seeds]
+        if lost and not mine:
+            rows.append(f"| {m} | {','.join(map(str, lost))} | diverged" + " | -" * 8 + " |")
         if not mine:
             continue
         mine.sort(key=lambda r: r["seed"])
@@ -125,22 +139,29 @@ def table(lines: list[dict], seeds: list[int], target: str = "mnistm") -> str:
         if any("private_codes" in r for r in mine):
             collapsed = sum(bool(r["private_codes"]["collapsed"]) for r in mine)
             codes = f"{collapsed}/{len(mine)} collapsed"
-        rows.append(f"| {m} | {','.join(str(r['seed']) for r in mine)} | {_stat([r['target_acc'] for r in mine])} "
+        seeds_cell = ",".join(str(r["seed"]) for r in mine)
+        seeds_cell += f" ({','.join(map(str, lost))} diverged)" if lost else ""
+        rows.append(f"| {m} | {seeds_cell} | {_stat([r['target_acc'] for r in mine])} "
                     f"| {_stat([r.get('target_val_acc') for r in mine])} "
                     f"| {_stat([r.get('target_acc_light') for r in mine])} "
                     f"| {_stat([r.get('target_acc_dark') for r in mine])} "
                     f"| {_stat([r['source_acc'] for r in mine])} | {_stat([r.get('domain_acc') for r in mine])} "
                     f"| {_stat([r.get('domain_probe_acc') for r in mine])} | {codes} "
                     f"| {statistics.fmean(r['train_s'] for r in mine):.0f} |")
-    present = sorted({r["seed"] for r in lines if r["target"] == target and r["seed"] in seeds})
+    present = sorted({r["seed"] for r in lines + gone if r["target"] == target and r["seed"] in seeds})
     if present:
         rows += ["", "| method | " + " | ".join(f"seed {s} %" for s in present) + " |",
                  "|---|" + "---|" * len(present)]
         for m in METHODS:
-            acc = {r["seed"]: r["target_acc"] for r in lines if r["method"] == m and r["target"] == target}
+            acc = {r["seed"]: f"{100 * r['target_acc']:.1f}" for r in lines
+                   if r["method"] == m and r["target"] == target}
+            acc.update({r["seed"]: "diverged" for r in gone if r["method"] == m})
             if acc:
-                rows.append(f"| {m} | " + " | ".join(f"{100 * acc[s]:.1f}" if s in acc else "-" for s in present)
-                            + " |")
+                rows.append(f"| {m} | " + " | ".join(acc.get(s, "-") for s in present) + " |")
+    if gone:
+        rows.append("\ndiverged (training loss not finite at the end; left out of the means and the verdict): "
+                    + ", ".join(f"{r['method']} seed {r['seed']}" for r in sorted(gone, key=lambda r: (r["method"],
+                                                                                                     r["seed"]))))
     counts = next((r for r in lines if r["target"] == target and r.get("light_count") is not None), None)
     if counts:
         rows.append(f"\ntest images: {counts['light_count']} with light strokes, {counts['dark_count']} with dark")

@@ -64,6 +64,17 @@ def test_bad_arguments_name_the_fix():
     assert done.returncode == 2 and "timm:resnet50" in done.stderr
     done = run_check("timm:resnet18", "--input", "64x64")
     assert done.returncode == 2 and "1x3x4096x4096" in done.stderr
+    # A misspelt model: one line naming it with the closest names, no traceback (issue 53 item 8)
+    for spec, close in (("timm:resnet_50", "timm:resnet50"), ("torchvision:resnet_18", "torchvision:resnet18")):
+        for planner in ((), ("--gpus", "4", "--gpu", "h100-80gb")):
+            done = run_check(spec, "--input", "1x3x64x64", "--no-memory", "--no-exact", *planner)
+            assert done.returncode == 2 and done.stdout == "", done.stderr
+            assert done.stderr.count("\n") == 1 and "resnet_" in done.stderr and close in done.stderr, done.stderr
+    # A forgotten batch dim names the input shape, not a convolution to hold whole
+    for planner in ((), ("--gpus", "4", "--gpu", "h100-80gb")):
+        done = run_check("torchvision:resnet18", "--input", "3x1024x1024", "--no-memory", "--no-exact", *planner)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stdout + done.stderr
+        assert "--input 3x1024x1024" in done.stderr and "1x3x1024x1024" in done.stderr, done.stderr
 
 
 def test_replicated_maps_and_halos_follow_the_grid():
@@ -93,6 +104,8 @@ def test_model_specs_and_file_builders(tmp_path):
     assert isinstance(build_model(f"{tmp_path / 'mine.py'}:build"), torch.nn.Conv2d)
     with pytest.raises(ValueError, match="my_model.py:build"):
         build_model(f"{tmp_path / 'missing.py'}:build")
+    with pytest.raises(ValueError, match="bigconv has no model 'CNN2d'; did you mean bigconv:CNN2D"):
+        build_model("bigconv:CNN2d")
 
 
 def test_the_terminal_report_names_every_part():

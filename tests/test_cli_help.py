@@ -84,3 +84,22 @@ def test_every_option_has_help_and_its_default(module_name, monkeypatch):
         if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
             assert "default" in text.lower(), f"{module_name}: {name}'s help does not show its default"
     parser.format_help()  # every %(default)s and %(choices)s expands
+
+
+@pytest.mark.parametrize("module_name", CLIS)
+def test_no_option_names_its_default_twice(module_name, monkeypatch):
+    """A help that names its default itself gets no second ``(default: None)`` appended (issue 53 item 9)."""
+    parser = captured_parser(module_name, monkeypatch)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            text = formatter._expand_help(action)
+            assert text.count("(default:") <= 1, f"{module_name}: {'/'.join(action.option_strings)}: {text!r}"
+
+
+def test_check_link_options_list_their_own_links(monkeypatch):
+    """``--link`` offers the links within a node, ``--inter`` those between nodes (issue 53 item 9)."""
+    parser = captured_parser("bigconv.check", monkeypatch)
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    assert "nvlink4" in helps["--link"] and "pcie5" in helps["--link"] and "ib-" not in helps["--link"]
+    assert "ib-ndr" in helps["--inter"] and "slingshot" in helps["--inter"] and "nvlink" not in helps["--inter"]

@@ -151,3 +151,15 @@ def test_the_whole_image_cnn_trains_on_bigconv_as_in_one_process(exclusive):
     assert not r["wrong"], list(r["wrong"])[:3]
     assert {(t["category"], t["tensor"]) for t in r["ill_conditioned"]} <= {("input_grad", "input")}, r["verdict"]
     assert all(r[k] <= 1e-9 for k in ("forward", "param_grads", "loss", "weights")), r["worst"]
+
+
+def test_figures_go_beside_a_given_out(tmp_path, monkeypatch):
+    """With --out DIR/x.jsonl and no --figure, the figure is written into DIR, not the checkout's figures/
+    (issue 53 item 13); without --out it stays in figures/."""
+    import plots.context
+
+    stems = []
+    monkeypatch.setattr(plots.context, "draw", lambda recs, stem, title: stems.append(stem) or [])
+    context.main(["--quick", "--report", "--out", str(tmp_path / "x.jsonl")])
+    context.main(["--quick", "--report"])
+    assert stems == [str(tmp_path / "context_quick"), "figures/context_quick"]

@@ -6,6 +6,7 @@ The meter's figures back every memory claim we publish; the demo is the first th
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import subprocess
@@ -83,6 +84,9 @@ def test_demo_runs(exclusive, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"wrote {tmp_path / 'demo.json'}" in out.stdout and (tmp_path / "demo.json").stat().st_size > 0
     assert "worker3: peak" in out.stdout and "single process: peak" in out.stdout
+    # The record counts the steps the demo says it runs: the warm-up one and --steps more (issue 53 item 14).
+    said = int(re.search(r"(\d+) SGD steps", out.stdout)[1])
+    assert said == 2 and json.loads((tmp_path / "demo.json").read_text())["steps"] == said, out.stdout
     # The two runs train the same model on the same image: their final losses agree to float32 rounding.
     found = re.search(r"final loss: distributed (\S+), single process (\S+) ", out.stdout)
     assert found, out.stdout

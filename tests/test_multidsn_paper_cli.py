@@ -100,3 +100,22 @@ def test_the_report_says_what_the_numbers_support_never_a_bare_met():
     text = "\n".join(verdict(acc, "val"))
     assert "supported: DSN-DANN beats DANN alone" in text and "caution" not in text
     assert "supported: the gain over source-only is at least 15" in text
+
+
+def test_a_diverged_run_reads_diverged_not_a_result():
+    """A run whose training loss ended nan scores chance; the table says "diverged" where its accuracy would be
+    and leaves it out of the means and the verdict (issue 53 item 12: `--quick` showed dsn_dann at 10.0%)."""
+    from multidsn.paper_cli import table
+
+    def line(method, seed, acc, loss):
+        return {"method": method, "target": "mnistm", "seed": seed, "target_acc": acc, "source_acc": 0.9,
+                "train_s": 1.0, "history": [{"step": 0, "loss": 2.3}, {"step": 9, "loss": loss}]}
+
+    lines = [line("source_only", 0, 0.55, 0.1), line("dann", 0, 0.6, 0.2), line("dsn_dann", 0, 0.1, float("nan")),
+             line("dann", 1, 0.1, float("inf")), line("dann", 2, 0.62, 0.2)]
+    text = table(lines, [0, 1, 2])
+    assert "| dsn_dann | 0 | diverged |" in text and "10.0" not in text, text
+    assert "| dann | 0,2 (1 diverged) | 61.0 ± 1.4 |" in text, text
+    assert "| dsn_dann | diverged |" in text and "| dann | 60.0 | diverged | 62.0 |" in text, text
+    assert "diverged (training loss not finite at the end" in text and "dann seed 1, dsn_dann seed 0" in text
+    assert "dsn_dann - source_only" not in text  # no verdict from a diverged row

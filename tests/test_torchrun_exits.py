@@ -46,3 +46,19 @@ def test_the_readme_spmd_example_exits_cleanly_under_torchrun_every_time(tmp_pat
         if proc.returncode != 0 or signs:
             failures.append(f"run {run}: exit {proc.returncode}, {signs}: {proc.stderr[-1500:]}")
     assert not failures, f"{len(failures)} of {RUNS} runs did not exit cleanly:\n" + "\n".join(failures)
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_spmd_example_says_what_it_trained_under_torchrun(tmp_path):
+    """Under torchrun the example prints, once (rank 0), what it trained: steps, input, grid, loss (issue 53
+    item 11: it printed nothing)."""
+    script = tmp_path / "train_spmd.py"
+    script.write_text(readme_spmd_example())
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "4", "--master-port", "0", str(script)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("rank 0 of 4:")]
+    assert len(said) == 1 and "3 SGD steps" in said[0] and "grid (2, 1) x 2 replicas" in said[0], proc.stdout
+    assert re.search(r"loss \d+\.\d{4}$", said[0]), said

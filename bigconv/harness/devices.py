@@ -95,6 +95,8 @@ class Link:
     sync_s: float = 0.0
     """Per exchange, a wait no compute hides: the peer getting a core when processes share a CPU host's
     cores (measured there; 0 for GPUs, one process each)."""
+    between_nodes: bool = False
+    """A network port between nodes (InfiniBand, Slingshot), not a link between the GPUs of one node."""
     sources: str = ""
 
 
@@ -177,19 +179,28 @@ LINKS: dict[str, Link] = {k.name: k for k in (
     Link(name="pcie4", bytes_s=31.5 * G, latency_s=10e-6, sources="PCIe 4.0 x16: 16 GT/s x 16 lanes; latency assumed"),
     Link(name="pcie5", bytes_s=63 * G, latency_s=10e-6, sources="PCIe 5.0 x16: 32 GT/s x 16 lanes; latency assumed"),
     Link(name="ib-edr", bytes_s=12.5 * G, latency_s=15e-6, p2p_efficiency=0.9, collective_efficiency=0.9,
+         between_nodes=True,
          sources="InfiniBand EDR: 100 Gb/s per port (IBTA); latency through NCCL assumed: tens of µs across nodes "
                  "(NVIDIA/nccl-tests#214 measured 31 µs between two A40 nodes), less on InfiniBand"),
     Link(name="ib-edr-summit", bytes_s=25 * G, latency_s=15e-6, p2p_efficiency=0.9, collective_efficiency=0.9,
+         between_nodes=True,
          sources="Summit's dual-rail EDR: two 100 Gb/s ports per node, 25 GB/s per direction per node (OLCF Summit "
                  "User Guide); latency as ib-edr"),
     Link(name="ib-hdr", bytes_s=25 * G, latency_s=10e-6, p2p_efficiency=0.9, collective_efficiency=0.9,
+         between_nodes=True,
          sources="InfiniBand HDR: 200 Gb/s per port (IBTA); latency assumed as ib-edr, less"),
     Link(name="ib-ndr", bytes_s=50 * G, latency_s=10e-6, p2p_efficiency=0.9, collective_efficiency=0.9,
+         between_nodes=True,
          sources="InfiniBand NDR: 400 Gb/s per port (IBTA; ConnectX-7); latency assumed as ib-hdr"),
     Link(name="slingshot", bytes_s=25 * G, latency_s=10e-6, p2p_efficiency=0.9, collective_efficiency=0.9,
+         between_nodes=True,
          sources="HPE Slingshot 11: 200 Gb/s per NIC (HPE; Frontier and Perlmutter have 4 per node); latency "
                  "assumed"),
 )}
+INTRA_LINKS = [name for name, k in LINKS.items() if not k.between_nodes]
+"""The links between the GPUs of one node (``--link``)."""
+INTER_LINKS = [name for name, k in LINKS.items() if k.between_nodes]
+"""The links between nodes (``--inter``)."""
 
 
 # -- user figures ---------------------------------------------------------------------------------------

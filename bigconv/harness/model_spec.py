@@ -16,6 +16,7 @@ No pretrained weights are ever downloaded: the check needs the architecture only
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 from pathlib import Path
 
@@ -61,20 +62,37 @@ def build_model(spec: str) -> nn.Module:
     allow_torchvision_without_ops()  # before timm/torchvision/smp, which import torchvision
     if library == "timm":
         import timm
+        if not timm.is_model(names[0]):
+            raise unknown_model(library, names[0], timm.list_models())
         return timm.create_model(names[0], pretrained=False, **kwargs)
     if library == "torchvision":
         import torchvision
+        if names[0].lower() not in torchvision.models.list_models():
+            raise unknown_model(library, names[0], torchvision.models.list_models())
         return torchvision.models.get_model(names[0], weights=None, **kwargs)
     if library == "smp":
         import segmentation_models_pytorch as smp
         if len(names) > 1:
             kwargs.setdefault("encoder_name", names[1])
-        return getattr(smp, names[0])(encoder_weights=None, **kwargs)
+        return _attribute(smp, library, names[0])(encoder_weights=None, **kwargs)
     if library == "monai":
         import monai.networks.nets as nets
-        return getattr(nets, names[0])(**kwargs)
+        return _attribute(nets, library, names[0])(**kwargs)
     from .. import models
-    return getattr(models, names[0])(**kwargs)
+    return _attribute(models, library, names[0])(**kwargs)
+
+
+def unknown_model(library: str, name: str, known: list[str]) -> ValueError:
+    """The error for a model name ``library`` does not have: one line, with the closest names it has."""
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+    hint = f"; did you mean {', '.join(f'{library}:{c}' for c in close)}?" if close else ""
+    return ValueError(f"{library} has no model {name!r}{hint}")
+
+
+def _attribute(module, library: str, name: str):
+    if not callable(getattr(module, name, None)):
+        raise unknown_model(library, name, [n for n in dir(module) if not n.startswith("_")])
+    return getattr(module, name)
 
 
 def _from_file(path: Path, function: str) -> nn.Module:

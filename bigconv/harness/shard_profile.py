@@ -297,20 +297,24 @@ class _Session:
         self.local.state = (ex, rec, exchanges, saved)
 
     def leave(self, module: nn.Module, args, out) -> None:
+        """After the root's forward; also where it raised (``out`` None): the shard's thread must end with
+        nothing of ``enter`` still pushed."""
         state = getattr(self.local, "state", None)
         if state is None:
             return
         ex, rec, exchanges, saved = state
-        with torch._C.DisableTorchFunction():
-            leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            rec.output = (sum(t.numel() * t.element_size() for t in leaves),
-                          any(global_shape(t) is not None for t in leaves))
+        if out is not None:
+            with torch._C.DisableTorchFunction():
+                leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+                rec.output = (sum(t.numel() * t.element_size() for t in leaves),
+                              any(global_shape(t) is not None for t in leaves))
         rec.__exit__(None, None, None)
         saved.__exit__(None, None, None)
         ex.link = ex.link.link
         self.local.state = None
-        with self.lock:
-            self.records[ex.rt.index] = (rec, exchanges, ex.grid)
+        if out is not None:
+            with self.lock:
+                self.records[ex.rt.index] = (rec, exchanges, ex.grid)
 
 
 def profile(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...], dtype=torch.float32,
@@ -323,7 +327,10 @@ def profile(model: nn.Module, shape: tuple[int, ...], grid: tuple[int, ...], dty
     # Plain functions, not bound methods: the dry run deep-copies the model per shard, and a function is
     # copied as itself (so every shard's copy reports to this session), a method with its object.
     pre = planner.meta.register_forward_pre_hook(lambda m, a: session.enter(m, a))
-    post = planner.meta.register_forward_hook(lambda m, a, o: session.leave(m, a, o))
+    # always_call: a shard whose forward raises (a refusal) leaves too, so that its thread ends with no
+    # dispatch mode or saved-tensor hooks pushed (left pushed, their thread-local stacks held Python objects
+    # past the interpreter's exit: "terminate called without an active exception", exit 134).
+    post = planner.meta.register_forward_hook(lambda m, a, o: session.leave(m, a, o), always_call=True)
     try:
         planner.plan(torch.empty(shape, dtype=dtype, device="meta"), training=True)
     finally:
