@@ -535,7 +535,10 @@ ZOO: list[ZooEntry] = [
     _e("torchvision/googlenet", "inception", tv_googlenet, (2, 3, 64, 64), 2, (2, 1),
        note="aux_logits=False, transform_input=False, dropout=0"),
     _e("torchvision/inception_v3", "inception", tv_inception_v3, (4, 3, 128, 128), 2, (1, 2),
-       note="aux_logits=False, transform_input=False, dropout=0; batch 4 at 128 px (well conditioned)"),
+       note="aux_logits=False, transform_input=False, dropout=0; batch 4 at 128 px", expect="ill-conditioned",
+       reason="since the optimizer state is judged (issue 48): Mixed_7c.branch_pool's momentum buffer (size 0.19) "
+              "moves by 2.8e-10 under rounding alone, past 1e-9 of its size; the decomposition by 1.8e-10 (CI "
+              "clone run, 2026-11-29)"),
     # -- torchvision segmentation (dict outputs: OutOnly returns ["out"]) ---------------------------
     _e("torchvision/fcn_resnet50", "fcn", tv_fcn_resnet50, (1, 3, 64, 64), 2, (2, 1), dense=True,
        note="OutOnly(_fcn_resnet(ResNet(Bottleneck,[1,1,1,1],width_per_group=16,dilated))), FCNHead dropout p=0"),
@@ -602,16 +605,24 @@ ZOO: list[ZooEntry] = [
        note="batch 8: at batch 2 rounding noise alone moves the weights by 1e-7"),
     _e("timm/ese_vovnet19b_slim_dw", "vovnet", timm_model("ese_vovnet19b_slim_dw"), (2, 3, 64, 64), 2, (1, 2)),
     _e("timm/xception41", "xception", timm_model("xception41"), (2, 3, 64, 64), 2, (2, 1)),
-    _e("timm/repvgg_a0", "byobnet", timm_model("repvgg_a0"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/repvgg_a0", "byobnet", timm_model("repvgg_a0"), (2, 3, 64, 64), 2, (2, 1), expect="ill-conditioned",
+       reason="since the optimizer state is judged (issue 48): stage 2's momentum buffers (sizes 0.02-0.07) move "
+              "by 1.5e-11 to 4.3e-11 under rounding alone, past 1e-9 of their size; the decomposition by twice "
+              "that (CI clone run, 2026-11-29)"),
     _e("timm/gernet_s", "byobnet", timm_model("gernet_s"), (2, 3, 64, 64), 2, (1, 2)),
     _e("timm/nf_regnet_b0", "nfnet", timm_model("nf_regnet_b0"), (2, 3, 64, 64), 2, (2, 1),
        note="scaled weight-standardized convs, no norm layers"),
     _e("timm/inception_v3", "inception", timm_model("inception_v3"), (4, 3, 128, 128), 2, (2, 1),
-       note="batch 4 at 128 px: at 2x80x80 its 1x1 maps make batch norm ill-conditioned (rounding noise 2e-2)"),
+       note="batch 4 at 128 px: at 2x80x80 its 1x1 maps make batch norm ill-conditioned (rounding noise 2e-2)",
+       expect="ill-conditioned",
+       reason="since the optimizer state is judged (issue 48): Mixed_6's momentum buffers (sizes 0.5-1.4) move "
+              "by 5e-10 to 1.7e-9 under rounding alone, past 1e-9 of their size (CI clone run, 2026-11-29)"),
     _e("timm/tresnet_m", "tresnet", timm_model("tresnet_m"), (2, 3, 64, 64), 2, (2, 1),
        note="space-to-depth stem (timm's view-permute-view, decomposed as space to depth), anti-aliased "
        "downsampling"),
-    _e("timm/hgnetv2_b0", "hgnet", timm_model("hgnetv2_b0"), (2, 3, 64, 64), 2, (2, 1)),
+    _e("timm/hgnetv2_b0", "hgnet", timm_model("hgnetv2_b0"), (2, 3, 64, 64), 2, (2, 1), expect="ill-conditioned",
+       reason="the learnable-affine scales' gradients (1.6e-8, 6.7e-8) cancel; rounding alone moves them by "
+              "2e-16 to 6e-16, past 1e-9 of their size, and so their momentum buffers (CI clone run, 2026-11-29)"),
     _e("timm/swin_tiny_patch4_window7_224", "swin", timm_model("swin_tiny_patch4_window7_224", img_size=112),
        (1, 3, 112, 112), 4, (2, 2), note="img_size=112; PatchMerging's reshape re-sharded by whole 2x2 blocks"),
     _e("timm/swinv2_tiny_window8_256", "swin", timm_model("swinv2_tiny_window8_256", img_size=128),
@@ -658,7 +669,10 @@ ZOO: list[ZooEntry] = [
        (2, 3, 64, 64), 2, (2, 1), dense=True,
        note="resnet18 encoder, depth 3; its position attention runs on the whole (gathered) 8×8 centre map"),
     _e("smp/PAN", "pan", smp_model("PAN", encoder_depth=5, decoder_channels=16), (2, 3, 128, 128), 2, (2, 1),
-       dense=True, note="resnet18 encoder, output stride 16 (its pyramid needs >= 128 px)"),
+       dense=True, note="resnet18 encoder, output stride 16 (its pyramid needs >= 128 px)", expect="ill-conditioned",
+       reason="since the optimizer state is judged (issue 48): decoder.gau3.conv1's momentum buffer (size 0.0048) "
+              "moves by 4e-11 under rounding alone, past 1e-9 of its size; the decomposition by 1.4e-11 (CI "
+              "clone run, 2026-11-29)"),
     _e("smp/UPerNet", "upernet", smp_model("UPerNet", encoder_depth=3, decoder_channels=16), (2, 3, 64, 64), 2,
        (1, 2), dense=True, note="resnet18 encoder, depth 3"),
     _e("smp/Segformer", "segformer", smp_model("Segformer", encoder_depth=3, decoder_segmentation_channels=16),
