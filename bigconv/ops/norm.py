@@ -102,9 +102,14 @@ def whole_stats(mode: RuleContext, x: torch.Tensor, dims: list[int], shape, coun
     # One op over the shards' stacked moments, not one per shard: a Python sum made 3 ops per shard in every
     # normalization layer of every shard, which the planner's dry run pays shards x shards times (ResNet-50 on
     # 16 GPUs: ~40,000 dispatched ops of the 29 s an estimate took).
-    n = torch.tensor(counts, dtype=parts.dtype, device=parts.device).view(-1, *([1] * (parts.dim() - 2)))
-    mean_all = (n * parts[:, 0]).sum(0) / total
-    m2_all = (parts[:, 1] + n * (parts[:, 0] - mean_all).square()).sum(0)
+    # The counts and the sums in float32 at least (as a Python count's product was): a bfloat16 count of an
+    # uneven shard (20160) would be off by up to 0.4%; the result is rounded back to the moments' dtype once.
+    opmath = torch.promote_types(parts.dtype, torch.float32)
+    n = torch.tensor(counts, dtype=opmath, device=parts.device).view(-1, *([1] * (parts.dim() - 2)))
+    wide = parts.to(opmath)
+    mean_wide = (n * wide[:, 0]).sum(0) / total
+    m2_all = (wide[:, 1] + n * (wide[:, 0] - mean_wide).square()).sum(0).to(parts.dtype)
+    mean_all = mean_wide.to(parts.dtype)
     if 0 in count_dims and mode.executor.replicas > 1:
         # Batch statistics span the whole batch, which data-parallel replicas split: combine theirs too
         # (what SyncBatchNorm does, here exact and in replica order on every rank).
