@@ -141,13 +141,22 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
             training: bool) -> DryRunResult:
     """Run every shard of ``meta`` (a ``meta_copy``) on an input of ``x_shape``; raise what a worker would."""
     coords = list(all_coords(grid))
-    mailboxes = [Mailbox() for _ in coords]
+    # The shards take turns: a shard runs while it holds ``turn`` and lets it go only while it waits for a
+    # message (a mailbox's wait releases its lock). As free threads they fought for the GIL, which every
+    # op's C++ call releases and retakes: 1.6 million futex calls and 7 s for 9 shards of ResNet-50, not
+    # 1.5 s when they take turns; the order of their work is the same messages either way.
+    turn = threading.RLock()
+    mailboxes = [Mailbox(turn) for _ in coords]
     spatial = tuple(x_shape[2:])
     outs: list = [None] * len(coords)
     planned: list = []
     errors: list = [None] * len(coords)
 
     def shard(index: int) -> None:
+        with turn:
+            run_shard(index)
+
+    def run_shard(index: int) -> None:
         rt = WorkerRuntime(index=index, workers=len(coords), device=torch.device("meta"), timeout=DRY_RUN_TIMEOUT_S,
                            mailbox=mailboxes[index])
         rt.link = LocalLink(rt, mailboxes)  # delivers into the other shards' mailboxes, in this process

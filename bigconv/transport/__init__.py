@@ -36,9 +36,10 @@ def worker_name(index: int) -> str:
 class Mailbox:
     """Tensors delivered to this worker, keyed by (call, exchange, sender)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lock: threading.RLock | None = None) -> None:
+        """``lock``: one shared by several mailboxes whose threads take turns (``bigconv.engine.dry_run``)."""
         self._items: dict[Hashable, torch.Tensor] = {}
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(lock)
         self._aborted: str | None = None
 
     def put(self, key: Hashable, tensor: torch.Tensor) -> None:
