@@ -39,6 +39,9 @@ def main(argv=None) -> None:
               f"halo traffic {m['bytes'] / MiB:.1f} MiB in {m['messages']} messages")
     single = plain["peak_rss_bytes"] / MiB
     print(f"  single process: peak {single:7.1f} MiB; ideal per worker (single / 4): {single / 4:.1f} MiB")
+    above = [m["peak_rss_bytes"] / MiB - single / 4 for m in r["per_worker"]]
+    print(f"  each worker above the ideal: {min(above):.1f} to {max(above):.1f} MiB (its fixed cost: its own "
+          "interpreter and torch, transport buffers)")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "demo.json")
     with open(path, "w") as fh:

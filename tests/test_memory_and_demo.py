@@ -92,6 +92,11 @@ def test_demo_runs(exclusive, tmp_path):
     assert found, out.stdout
     distributed, single = float(found[1]), float(found[2])
     assert abs(distributed - single) <= TOL32 * abs(single), out.stdout
+    # Each worker's fixed cost, printed as its peak less the ideal quarter (the README quotes no figure of it).
+    peaks = [float(v) for v in re.findall(r"worker\d: peak +([\d.]+) MiB", out.stdout)]
+    quarter = float(re.search(r"single / 4\): ([\d.]+) MiB", out.stdout)[1])
+    lo, hi = map(float, re.search(r"each worker above the ideal: (\S+) to (\S+) MiB", out.stdout).groups())
+    assert len(peaks) == 4 and abs(lo - (min(peaks) - quarter)) <= 0.15 and abs(hi - (max(peaks) - quarter)) <= 0.15
 
 
 def test_core_memory_plot_from_saved_results(tmp_path):
