@@ -123,7 +123,7 @@ FAST: dict[str, list[str]] = {
     ],
     "documented commands: every block's tools parse, links resolve, the README's driver-mode example and the "
     "cluster example run": [
-        "test_docs.py::test_blocks_run_as_written[README.md:81]",
+        "test_docs.py::test_blocks_run_as_written[README.md:63]",
         "test_docs.py::test_documented_commands_parse", "test_docs.py::test_fragments_say_why_and_still_parse",
         "test_docs.py::test_relative_links_point_at_files", "test_docs.py::test_commands_are_found_in_blocks",
         "test_check_cli.py::test_bad_arguments_name_the_fix", "test_check_cli.py::test_model_specs_and_file_builders",
