@@ -280,6 +280,31 @@ def test_cli_plan_that_does_not_fit_and_bad_flags(capsys):
     assert code == 2 and "unknown GPU" in err
 
 
+def test_launch_lines_only_for_a_plan_that_fits(capsys):
+    """Issue 53 item 1: the asked-for count does not fit, so the launch lines are the whole-node plan's that does
+    (said so); where nothing fits there are none, and --max-size says that no size fits and why."""
+    asked = ["bigconv:CNN2D", "--input", "1x1x8192x8192", "--gpus", "1", "--gpu", "h100-80gb:memory_gib=4"]
+    code, out, _ = run(asked + ["--json"], capsys)
+    r = json.loads(out)
+    whole = r["smallest"]["whole_nodes"]
+    assert code == 1 and not r["plan"]["fits"] and whole["fits"] and whole["gpus"] > 1
+    assert r["templates_for"] == {"gpus": whole["gpus"], "nodes": whole["nodes"], "grid": whole["grid"],
+                                  "replicas": whole["replicas"]}
+    grid = "x".join(map(str, whole["grid"]))
+    assert f"--grid {grid} " in r["templates"]["slurm"] and f"RANKS={whole['gpus']} " in r["templates"]["lsf"]
+    code, text, _ = run(asked, capsys)
+    assert f"Launch (docs/clusters.md), for the {whole['gpus']}-GPU plan that fits (grid {grid}" in text, text
+    assert "In whole nodes" in text and "DOES NOT FIT)" not in text.split("In whole nodes")[1]
+    nothing = ["bigconv:CNN2D", "--input", "1x1x4096x4096", "--gpus", "4", "--gpu", "h100-80gb:memory_gib=1",
+               "--max-size"]
+    code, out, _ = run(nothing + ["--json"], capsys)
+    r = json.loads(out)
+    assert code == 1 and r["templates"] is None and r["smallest"] is None and r["max_size"] is None
+    code, text, _ = run(nothing, capsys)
+    assert "no launch lines" in text and "sbatch" not in text, text
+    assert "Largest input on 4 GPUs: none fits" in text and "alone exceeds the 0.90 GiB budget" in text, text
+
+
 def test_cli_entry_point_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-m", "bigconv.check", "bigconv:CNN2D", "--input", "1x1x2048x2048",
                            "--gpus", "16", "--gpu", "v100-16gb", "--nodes", "3", "--inter", "ib-edr-summit", "--json",

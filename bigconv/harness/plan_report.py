@@ -14,9 +14,11 @@ from dataclasses import asdict
 from . import devices
 from .cost_model import Cluster, Estimate, Profiler
 from .op_table import OpTable
-from .plan_search import choose, max_size, smallest_count, with_gpus
+from .plan_search import FIXED, choose, max_size, smallest_count, with_gpus
 
 GiB = 2**30
+WHOLE_NODE_STEPS = 8
+"""Node counts tried above the fewest GPUs that fit, rounded up to whole nodes, for a grid that fits there too."""
 MEMORY_PARTS = [("parameters", "parameters"), ("optimizer", "optimizer state"),
                 ("autocast_weights", "autocast weight copies"), ("activations", "activations (largest shard)"),
                 ("halo_buffers", "halo buffers"), ("gradients", "parameter gradients"),
@@ -43,7 +45,7 @@ def plan(args, model) -> dict:
     profiler = Profiler(model, args.dtype)
     result = {"model": args.model, "input": list(shape), "mode": "plan", "cluster": describe(cluster),
               "decomposable": True, "refusal": None, "plan": None, "alternatives": [], "smallest": None,
-              "max_size": None}
+              "max_size": None, "max_size_searched": bool(args.max_size), "templates": None, "templates_for": None}
     try:
         best, priced = choose(profiler, shape, cluster, grid=args.grid, replicas=args.replicas)
     except ValueError as exc:
@@ -52,24 +54,46 @@ def plan(args, model) -> dict:
         return result
     result["plan"] = as_dict(best, cluster)
     result["alternatives"] = [summary(e) for e in priced if e is not best]
+    launch = (best, cluster) if best.fits else None
     if not args.no_search:
         n, e = smallest_count(profiler, shape, cluster)
         if n is not None:
             nodes = -(-n // cluster.gpus_per_node)
-            whole = nodes * cluster.gpus_per_node
-            w, _ = choose(profiler, shape, with_gpus(cluster, whole)) if whole != n else (e, None)
+            whole, w = whole_nodes(profiler, shape, cluster, n, e)
             result["smallest"] = {"gpus": n, "grid": list(e.grid), "nodes": nodes, "total_bytes": e.memory["total"],
                                   "step_s": e.time["step"], "whole_nodes": {
-                                      "gpus": whole, "grid": list(w.grid), "replicas": w.replicas, "fits": w.fits,
-                                      "total_bytes": w.memory["total"], "step_s": w.time["step"],
-                                      "exposed_comm_fraction": halo_fraction(w)}}
+                                      "gpus": whole.gpus, "nodes": whole.nodes, "grid": list(w.grid),
+                                      "replicas": w.replicas, "fits": w.fits, "total_bytes": w.memory["total"],
+                                      "step_s": w.time["step"], "exposed_comm_fraction": halo_fraction(w)}}
+            if launch is None and w.fits:
+                launch = (w, whole)
     if args.max_size:
         size, e = max_size(profiler, shape, cluster, multiple=args.size_multiple,
                            grid=args.grid if args.grid else None)
         result["max_size"] = None if size is None else {
             "input": list(size), "grid": list(e.grid), "total_bytes": e.memory["total"], "step_s": e.time["step"]}
-    result["templates"] = templates(best, cluster)
+    # Launch lines only for a plan that fits: the one asked for, else the whole-node one found; none otherwise.
+    result["templates"] = templates(*launch) if launch else None
+    result["templates_for"] = None if launch is None else {
+        "gpus": launch[1].gpus, "nodes": launch[1].nodes, "grid": list(launch[0].grid), "replicas": launch[0].replicas}
     return result
+
+
+def whole_nodes(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, n: int, e: Estimate
+                ) -> tuple[Cluster, Estimate]:
+    """The fewest GPUs that fit (``n``, its estimate ``e``) in whole nodes: the plan on the next whole-node
+    count, or on the first of the ``WHOLE_NODE_STEPS`` counts after it whose plan fits (more GPUs can still
+    not fit: another count's balanced grids cut the image into other shapes); the last tried if none does."""
+    per = cluster.gpus_per_node
+    whole = -(-n // per) * per
+    if whole == n:
+        return with_gpus(cluster, n), e
+    for count in range(whole, whole + per * WHOLE_NODE_STEPS + 1, per):
+        c = with_gpus(cluster, count)
+        w, _ = choose(profiler, shape, c)
+        if w.fits:
+            break
+    return c, w
 
 
 def describe(c: Cluster) -> dict:
@@ -159,17 +183,27 @@ def report(r: dict, layers: bool = False) -> str:
         s = r["smallest"]
         w = s["whole_nodes"]
         lines += ["", f"Fewest GPUs that fit: {s['gpus']} (grid {_x(s['grid'])}, {_b(s['total_bytes'])} per process, "
-                      f"{_s(s['step_s'])} per step)",
-                  f"In whole nodes: {w['gpus']} GPUs on {s['nodes']} node(s), grid {_x(w['grid'])}"
-                  + (f" x {w['replicas']} replicas" if w["replicas"] > 1 else "")
-                  + f": {_b(w['total_bytes'])} per process ({'fits' if w['fits'] else 'DOES NOT FIT'}), "
-                    f"{_s(w['step_s'])} per step, exposed communication {100 * w['exposed_comm_fraction']:.1f}%"]
+                      f"{_s(s['step_s'])} per step)"]
+        if w["fits"]:
+            lines.append(f"In whole nodes: {w['gpus']} GPUs on {w['nodes']} node(s), grid {_x(w['grid'])}"
+                         + (f" x {w['replicas']} replicas" if w["replicas"] > 1 else "")
+                         + f": {_b(w['total_bytes'])} per process (fits), {_s(w['step_s'])} per step, exposed "
+                           f"communication {100 * w['exposed_comm_fraction']:.1f}%")
+        else:
+            lines.append(f"In whole nodes: none of the counts up to {w['gpus']} GPUs ({w['nodes']} nodes) fits (their "
+                         f"balanced grids cut other shard shapes than {_x(s['grid'])}); run that grid with "
+                         f"--gpus {s['gpus']} --grid {_x(s['grid'])} on partly filled nodes")
     elif "smallest" in r and r["smallest"] is None and not p["fits"]:
         lines += ["", "Fewest GPUs that fit: none up to the search's limit"]
     if r.get("max_size"):
         s = r["max_size"]
         lines += [f"Largest input on {c['gpus']} GPUs: {_x(s['input'])} (grid {_x(s['grid'])}, "
                   f"{_b(s['total_bytes'])} per process, {_s(s['step_s'])} per step)"]
+    elif r.get("max_size_searched"):
+        fixed = sum(m.get(k, 0) for k in FIXED)
+        lines += [f"Largest input on {c['gpus']} GPUs: none fits, down to the smallest input the search tries"
+                  + (f": what does not shrink with the image (parameters, optimizer state, the device's reserve: "
+                     f"{_b(fixed)}) alone exceeds the {_b(m['budget'])} budget" if fixed > m["budget"] else "")]
     for note in p["notes"]:
         lines += ["", f"Note: {note}"]
     if layers:
@@ -181,7 +215,16 @@ def report(r: dict, layers: bool = False) -> str:
                          f"{_s(row['comm_s']):>9} {_s(row['hidden_s']):>9}")
         lines.append("(msgs, sent: this rank's forward messages and bytes, as many again in backward; comm: forward and "
                      "backward)")
-    lines += ["", "Launch (docs/clusters.md):"] + [f"  {k}: {v}" for k, v in r["templates"].items()]
+    if r["templates"] is None:
+        lines += ["", "Launch: nothing that fits was found, so no launch lines (more GPUs, a card with more memory, "
+                      "--amp bfloat16 or a smaller input; docs/check.md)"]
+    else:
+        f = r["templates_for"]
+        lines += ["", "Launch (docs/clusters.md)" + ("" if f["gpus"] == c["gpus"] else
+                  f", for the {f['gpus']}-GPU plan that fits (grid {_x(f['grid'])}"
+                  + (f" x {f['replicas']} replicas" if f["replicas"] > 1 else "")
+                  + f" on {f['nodes']} node(s)), not the {c['gpus']} GPUs asked for") + ":"]
+        lines += [f"  {k}: {v}" for k, v in r["templates"].items()]
     lines += ["", "Every figure is a prediction (docs/check.md says how each is computed and what it leaves out; "
                   "benchmarks/planner.md how far it was from measurements)."]
     return "\n".join(lines)
