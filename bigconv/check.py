@@ -641,9 +641,43 @@ def check(args) -> dict:
         result["exactness"] = None
     else:
         small = (2, shape[1], *[args.exact_size] * dims)  # batch 2: BatchNorm needs two values per channel
-        result["exactness"] = exactness(args.model, small, args.exact_workers or min(args.workers, 4),
-                                        args.optimizer, args.exact_steps)
+        small, why = exact_input(model, small, shape, args.exact_size)
+        result["exactness"] = {"error": why} if small is None else exactness(
+            args.model, small, args.exact_workers or min(args.workers, 4), args.optimizer, args.exact_steps)
     return result
+
+
+EXACT_MAX_PIXELS = 512 * 512
+"""The largest input per image (pixels) the exactness check falls back to when the model takes no smaller one."""
+
+
+def exact_input(model: nn.Module, small: tuple[int, ...], given: tuple[int, ...], edge: int
+                ) -> tuple[tuple[int, ...] | None, str | None]:
+    """The exactness check's input: ``small``, or the given size (batch 2) for a model that takes only some
+    sizes (a Flatten before a Linear of fixed width) if that is at most ``EXACT_MAX_PIXELS``; else None and
+    why. Judged by one process's forward on meta tensors (no memory)."""
+    from .engine.dry_run import copy_model
+
+    def takes(shape) -> str | None:
+        meta = copy_model(model).to("meta")
+        try:
+            with torch.no_grad():
+                meta(torch.empty(shape, device="meta"))
+        except (RuntimeError, TypeError, IndexError, ValueError) as exc:
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return None
+
+    refused = takes(small)
+    if refused is None:
+        return small, None
+    at_given = (2, *given[1:])
+    fits = math.prod(given[2:]) <= EXACT_MAX_PIXELS
+    if fits and takes(at_given) is None:
+        return at_given, None
+    return None, (f"the model does not take the exactness check's input {'x'.join(map(str, small))} ({refused}); "
+                  f"give --exact-size the edge of an input it takes" + (
+                      "" if fits else f" (the given input, {math.prod(given[2:]):,} pixels an image, is over the "
+                                      f"{EXACT_MAX_PIXELS:,} the check runs at in float64 by itself)"))
 
 
 def _mib(n: int) -> str:
@@ -693,7 +727,9 @@ def report(r: dict) -> str:
                   f"  one process: {_mib(m['single_bytes'])}; each of {r['workers']} processes: "
                   f"{_mib(m['per_process_bytes'])} (single / {r['workers']}: {_mib(m['ideal_per_process_bytes'])})"]
     e = r["exactness"]
-    if e:
+    if e and "error" in e:
+        lines += ["", f"Exactness: NOT CHECKED: {e['error']}"]
+    elif e:
         errs = ", ".join(f"{k} {v:.1e}" for k, v in e["relative_errors"].items())
         lines += ["", f"Exactness on {_x(e['input'])} float64, {e['workers']} workers, grid {_x(e['grid'])}, "
                   f"{e['steps']} steps of {e['optimizer']}: {e['verdict'].upper()} (worst relative errors: {errs}; "
@@ -740,7 +776,7 @@ def planning(args) -> int:
     check_input_dims(model, tuple(args.input))
     r = plan_report.plan(args, model)
     print(json.dumps(r, indent=1) if args.json else plan_report.report(r, layers=args.layers))
-    return 0 if r["decomposable"] and r["plan"]["fits"] else 1
+    return 0 if r["plan"] is not None and r["plan"]["fits"] else 1
 
 
 def calibrating(args) -> int:
@@ -770,7 +806,7 @@ def main(argv=None) -> int:
         print(f"bigconv check: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(r, indent=1) if args.json else report(r))
-    ok = r["decomposable"] and (r["exactness"] is None or r["exactness"]["exact"])
+    ok = r["decomposable"] and (r["exactness"] is None or r["exactness"].get("exact", False))
     return 0 if ok else 1
 
 

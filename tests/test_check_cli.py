@@ -255,3 +255,39 @@ def test_the_check_judges_optimizer_state_over_three_steps_on_several_outputs(tm
     assert apart["optimizer body.0.weight.momentum_buffer"] == [1] and apart["weights seg.bias"] == [1], apart
     done = run_check(model, *common, "--exact-steps", "2")
     assert done.returncode == 2 and "at least 3 steps" in done.stderr
+
+
+FIXED_SIZE = """import torch.nn as nn
+
+
+def build():  # takes 1x100x100 inputs only: a Flatten before a Linear of fixed width
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 100 * 100, 2))
+"""
+
+
+def test_a_model_of_one_input_size_is_checked_and_planned_at_that_size(tmp_path, capsys):
+    """Issue 53 item 3: a model that takes only its own input size is checked for exactness at that size (not
+    the default 64² it cannot take), and planned on the grid itself where the planner's proxy image would be
+    smaller; on a grid too large to dry-run whole, the planner says why it cannot price it, naming the input."""
+    from bigconv.check import main as check_main
+
+    (tmp_path / "fixed.py").write_text(FIXED_SIZE)
+    spec = f"{tmp_path / 'fixed.py'}:build"
+    done = run_check(spec, "--input", "1x1x100x100", "--workers", "4", "--no-memory", "--json")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    e = json.loads(done.stdout)["exactness"]
+    assert e["input"] == [2, 1, 100, 100] and e["verdict"] == "exact", e
+    code = check_main([spec, "--input", "1x1x100x100", "--gpus", "4", "--gpu", "h100-80gb", "--grid", "1x4", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["decomposable"] and r["plan"]["proxy_grid"] == [1, 4], r["refusal"]
+    code = check_main([spec, "--input", "1x1x100x100", "--gpus", "32", "--gpu", "h100-80gb", "--grid", "4x8"])
+    text = capsys.readouterr().out
+    assert code == 1 and "Decomposable: yes, but this plan cannot be priced" in text, text
+    assert "the model runs on the input (1, 1, 100, 100) but not on" in text and "at most 16 GPUs" in text, text
+    done = run_check(spec, "--input", "1x1x100x100", "--workers", "4", "--no-memory", "--exact-size", "32")
+    assert done.returncode == 0, done.stderr[-2000:]  # the given size is taken when --exact-size's is not
+    big = FIXED_SIZE.replace("100 * 100", "768 * 768")
+    (tmp_path / "big.py").write_text(big)
+    done = run_check(f"{tmp_path / 'big.py'}:build", "--input", "1x1x768x768", "--workers", "4", "--no-memory")
+    assert done.returncode == 1 and "Exactness: NOT CHECKED: the model does not take the exactness check's input " \
+        "2x1x64x64" in done.stdout and "give --exact-size" in done.stdout, done.stdout[-2000:]

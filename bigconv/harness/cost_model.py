@@ -101,6 +101,21 @@ class Cluster:
         return self.per_node if self.device.cores else 1
 
 
+class ProxyMismatch(ValueError):
+    """The model decomposes but cannot take the proxy's input, and the real grid is too large to dry-run."""
+
+
+REAL_GRID_LIMIT = 16
+"""Grids of at most this many shards are priced on themselves when the model cannot take the proxy's input."""
+
+
+def _cannot_take(exc: ValueError) -> bool:
+    """Whether the dry run failed because the model's own code rejected the input (``bigconv.planning`` wraps
+    such errors), not because bigconv refused an op."""
+    return isinstance(exc.__cause__, (RuntimeError, TypeError, IndexError, NotImplementedError)) and \
+        str(exc).startswith("the model cannot run on an input of shape")
+
+
 def proxy(shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(spatial shape, grid) of the proxy: an axis cut in more than 3 shards becomes 3 shards of the real
     grid's largest extent ``ceil(n / g)``, so the middle one is an interior shard of the real grid. The
@@ -202,7 +217,22 @@ def estimate(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, grid:
         raise ValueError(f"{replicas} replicas need at least {replicas} images per step, the batch has {batch}")
     proxy_shape, proxy_grid = proxy(spatial, grid)
     per_replica = -(-batch // replicas)
-    profiles = profiler((per_replica, shape[1], *proxy_shape), proxy_grid)
+    try:
+        profiles = profiler((per_replica, shape[1], *proxy_shape), proxy_grid)
+    except ValueError as exc:
+        if proxy_shape == spatial or not _cannot_take(exc):
+            raise  # a refusal (an op that does not decompose) holds at every size
+        # A model that takes only some input sizes (a Flatten before a Linear of fixed width) cannot run on
+        # the proxy's smaller image: price the real grid itself where its dry run is affordable.
+        if math.prod(grid) > REAL_GRID_LIMIT:
+            raise ProxyMismatch(
+                f"the model runs on the input {tuple(shape)} but not on {(per_replica, shape[1], *proxy_shape)}, the "
+                f"smaller image of 3 shards a side on which the planner prices grid {grid} (a model that takes only "
+                f"some sizes, e.g. a Flatten before a Linear of fixed width; {exc.__cause__}); plan it on at most "
+                f"{REAL_GRID_LIMIT} GPUs, which are priced on the grid itself, or make its head size-independent "
+                "(nn.AdaptiveAvgPool2d before the Linear)") from exc
+        proxy_shape, proxy_grid = spatial, tuple(grid)
+        profiles = profiler((per_replica, shape[1], *proxy_shape), proxy_grid)
     dev = cluster.device
     notes: list[str] = []
     shard = tuple(-(-n // g) for n, g in zip(spatial, grid))

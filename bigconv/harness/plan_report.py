@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from . import devices
-from .cost_model import Cluster, Estimate, Profiler
+from .cost_model import Cluster, Estimate, Profiler, ProxyMismatch
 from .op_table import OpTable
 from .plan_search import FIXED, choose, max_size, smallest_count, with_gpus
 
@@ -49,7 +49,7 @@ def plan(args, model) -> dict:
     try:
         best, priced = choose(profiler, shape, cluster, grid=args.grid, replicas=args.replicas)
     except ValueError as exc:
-        result["decomposable"] = False
+        result["decomposable"] = isinstance(exc, ProxyMismatch)  # it decomposes; the planner cannot price it
         result["refusal"] = {"error": type(exc).__name__, "message": str(exc)}
         return result
     result["plan"] = as_dict(best, cluster)
@@ -154,12 +154,16 @@ def report(r: dict, layers: bool = False) -> str:
     head = [f"bigconv plan (PREDICTED): {r['model']} on {_x(r['input'])}, {c['dtype']}"
             + (f" with autocast {c['amp']}" if c["amp"] else "") + f", optimizer {c['optimizer']}", where,
             f"rates: {c['rates']}", ""]
-    if not r["decomposable"]:
-        return "\n".join(head + ["Decomposable: NO (found by the dry run)", "", r["refusal"]["message"]])
+    if r["plan"] is None:
+        why = "Decomposable: NO (found by the dry run)" if not r["decomposable"] else \
+            "Decomposable: yes, but this plan cannot be priced"
+        return "\n".join(head + [why, "", r["refusal"]["message"]])
     p = r["plan"]
     m, t = p["memory_bytes"], p["time_s"]
     lines = head + [f"Grid {_x(p['grid'])}" + (f" x {p['replicas']} replicas" if p["replicas"] > 1 else "")
-                    + f": largest shard {_x(p['shard'])} (priced on a {_x(p['proxy_grid'])} proxy of the same shards)"]
+                    + f": largest shard {_x(p['shard'])} ("
+                    + ("priced on the grid itself" if p["proxy_grid"] == p["grid"] else
+                       f"priced on a {_x(p['proxy_grid'])} proxy of the same shards") + ")"]
     for alt in r["alternatives"]:
         lines.append(f"  also priced: {_x(alt['grid'])}" + (f" x {alt['replicas']}" if alt["replicas"] > 1 else "")
                      + f": {_b(alt['total_bytes'])}, {_s(alt['step_s'])} per step")
