@@ -71,6 +71,21 @@ class BigconvStrategy(DDPStrategy):
         """The data is split over replicas only: the ranks of one grid see the same batch."""
         return {"num_replicas": self.replicas, "rank": self.global_rank // self.spatial}
 
+    def process_dataloader(self, dataloader: object) -> object:
+        """A loader the ranks of one grid iterate each on its own (``Trainer(use_distributed_sampler=False)``, or a
+        loader Lightning leaves alone) must give them the same batches: a ``RandomSampler`` drawing from each
+        rank's own global generator is refused, before any step, with the fix."""
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None and self.spatial > 1:
+            raise ValueError(
+                "a DataLoader with shuffle=True and no generator reaches BigconvStrategy's ranks unchanged "
+                "(use_distributed_sampler=False): each of the grid's ranks would draw its own order from its own "
+                "global generator, and ranks that must see one batch could see different ones. Give the loader a "
+                "generator seeded alike on every rank (DataLoader(..., shuffle=True, "
+                "generator=torch.Generator().manual_seed(0))), or leave use_distributed_sampler on (Lightning's "
+                "DistributedSampler, seeded alike on every rank)")
+        return super().process_dataloader(dataloader)
+
     def setup_distributed(self) -> None:
         """The ranks' ``SpmdWorld`` is the process group (bigconv's groups, ports and timeouts)."""
         reset_seed()

@@ -51,9 +51,11 @@ def dataset(kind: str, replicas: int):
     return torch.utils.data.TensorDataset(x, y)
 
 
-def one_process(kind: str, replicas: int, reverse: bool = False, channels_last: bool = False) -> dict:
+def one_process(kind: str, replicas: int, reverse: bool = False, channels_last: bool = False,
+                own_order: bool = False) -> dict:
     """The same loop on the same batches: micro-batch k of every replica's sampler (Lightning's
-    ``DistributedSampler``: shuffled with seed 0, over ``replicas`` only), averaged over replicas as DDP does.
+    ``DistributedSampler``: shuffled with seed 0, over ``replicas`` only), averaged over replicas as DDP does;
+    ``own_order``: the loader's own order (``shuffle=False``), as ``Trainer(devices=1)`` runs it.
     ``reverse``, ``channels_last``: the verdict's noise runs (``tests/loop_verdict.py``)."""
     data = dataset(kind, replicas)
     model = nl.build(kind, torch.float64)
@@ -61,8 +63,9 @@ def one_process(kind: str, replicas: int, reverse: bool = False, channels_last: 
     model = model.to(memory_format=layout)
     opt = torch.optim.AdamW(nl.param_groups(model.named_parameters()), lr=0.02, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, nl.warmup_cosine)
-    per_replica = [list(torch.utils.data.DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=True, seed=0))
-                   for r in range(replicas)]
+    per_replica = [list(range(len(data)))] if own_order else [
+        list(torch.utils.data.DistributedSampler(data, num_replicas=replicas, rank=r, shuffle=True, seed=0))
+        for r in range(replicas)]
     for step in range(STEPS):
         for k in range(ACCUMULATE):
             b = step * ACCUMULATE + k
@@ -95,15 +98,26 @@ def train(kind: str, grid, replicas: int, plant: str | None = None) -> dict:
                 return {"num_replicas": self.world_size, "rank": self.global_rank}
         cls = EveryRank
     strategy = cls(grid=grid, replicas=replicas, timeout=30.0)
+    # own_order*: the user's sampler kept on every rank (use_distributed_sampler=False): one process's order
+    own = plant is not None and plant.startswith("own_order")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=STEPS,
                          accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.05, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    loader = torch.utils.data.DataLoader(dataset(kind, replicas), batch_size=BATCH, shuffle=False)
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         use_distributed_sampler=not (own or plant == "unseeded_shuffle"))
+    loader = torch.utils.data.DataLoader(dataset(kind, replicas), batch_size=BATCH,
+                                         shuffle=plant == "unseeded_shuffle")
+    if plant == "unseeded_shuffle":  # each rank would draw its own order: refused before any step
+        try:
+            trainer.fit(lit, loader)
+        except ValueError as exc:
+            return {"refused": str(exc), "steps": trainer.global_step}
+        return {"refused": None, "steps": trainer.global_step}
     trainer.fit(lit, loader)
     state = {k: v.detach().clone() for k, v in lit.model.state_dict().items()}
     keys = sorted(lit.state_dict())
     r = {"keys": keys, "logged": lit.logged, "callback_loss": float(trainer.callback_metrics["loss"])}
-    ref = state_reference(lambda **reorder: one_process(kind, replicas, **reorder))
+    # own_order_vs_sampler (a planted error): the own-order run judged against the sampler's order
+    ref = state_reference(lambda **reorder: one_process(kind, replicas, own_order=plant == "own_order", **reorder))
     r["errors"] = {k: nl.rel(state[k], v) for k, v in ref.run.state.items()}
     r["verdict"] = state_verdict(state, ref)  # the weights judged as every equivalence test judges them
     return r
@@ -111,6 +125,9 @@ def train(kind: str, grid, replicas: int, plant: str | None = None) -> dict:
 
 CASES = {"(2,2)/cls": ("cls", (2, 2), 1, None), "R2x(2,1)/seg": ("seg", (2, 1), 2, None),
          "R2x(2,1)/cls": ("cls", (2, 1), 2, None),
+         "own_order/(2,2)/cls": ("cls", (2, 2), 1, "own_order"),
+         "plant/own_order_vs_sampler": ("cls", (2, 2), 1, "own_order_vs_sampler"),
+         "refused/unseeded_shuffle": ("cls", (2, 2), 1, "unseeded_shuffle"),
          "plant/no_replica_average": ("cls", (2, 1), 2, "no_replica_average"),
          "plant/whole_batch_sampler": ("cls", (2, 1), 2, "whole_batch_sampler")}
 

@@ -55,8 +55,12 @@ def _case(ranks, name):
 
 
 @pytest.mark.timeout(1300)
-@pytest.mark.parametrize("name", [n for n in cases.CASES if not n.startswith("plant/")])
+@pytest.mark.parametrize("name", [n for n in cases.CASES if not n.startswith(("plant/", "refused/"))])
 def test_an_unchanged_lightning_module_trains_as_one_process(ranks, name):
+    """Also ``own_order/``: ``Trainer(use_distributed_sampler=False)`` keeps the loader's own order
+    (``shuffle=False``) on every rank, and the weights are one process's on that order, as ``Trainer(devices=1)``
+    trains (Lightning's DDP, and this strategy by default, give a training loader a shuffling
+    ``DistributedSampler``)."""
     per_rank = _case(ranks, name)
     for rank, r in enumerate(per_rank):
         assert_exact(r["verdict"], TOL)  # each weight against its own size and measured noise
@@ -80,6 +84,16 @@ def test_each_broken_habit_is_seen(ranks, name):
     for rank, r in enumerate(_case(ranks, name)):
         v = r["verdict"]
         assert v["verdict"] == "not exact" and v["wrong"], (rank, name, v["verdict"], r["errors"])
+
+
+@pytest.mark.timeout(1300)
+@pytest.mark.parametrize("name", [n for n in cases.CASES if n.startswith("refused/")])
+def test_a_loader_the_ranks_would_shuffle_apart_is_refused(ranks, name):
+    """``use_distributed_sampler=False`` with ``shuffle=True`` and no generator: every rank of the grid would
+    draw its own order; refused on every rank before any step, naming the fix."""
+    for rank, r in enumerate(_case(ranks, name)):
+        assert r["refused"] and "generator=torch.Generator().manual_seed(0)" in r["refused"], (rank, r)
+        assert r["steps"] == 0, (rank, r)
 
 
 @pytest.mark.timeout(1300)
