@@ -161,7 +161,10 @@ def run_all(names: tuple[str, ...] = tuple(CASES) + tuple(n for n in EXTRA if n 
     results = {}
     port = int(os.environ["BIGCONV_PORT"])
     os.environ["BIGCONV_BASE_PORT"] = str(port)
-    ports = itertools.count(port, 10)  # each Trainer's world its own store port
+    # Each Trainer's world its own store port, the same sequence on every rank, below Linux's ephemeral range
+    # (32768-60999): counted up from the free base port it had collided with the gloo connections' own client
+    # ports ("cannot listen on 127.0.0.1:36047 (Address already in use)" in a zoo-stage run).
+    ports = itertools.count(20000 + port % 1000 * 10, 10)
     for name in names:
         try:
             if name in CASES:
