@@ -641,7 +641,7 @@ def check(args) -> dict:
         result["exactness"] = None
     else:
         small = (2, shape[1], *[args.exact_size] * dims)  # batch 2: BatchNorm needs two values per channel
-        small, why = exact_input(model, small, shape, args.exact_size)
+        small, why = exact_input(model, small, shape)
         result["exactness"] = {"error": why} if small is None else exactness(
             args.model, small, args.exact_workers or min(args.workers, 4), args.optimizer, args.exact_steps)
     return result
@@ -651,7 +651,7 @@ EXACT_MAX_PIXELS = 512 * 512
 """The largest input per image (pixels) the exactness check falls back to when the model takes no smaller one."""
 
 
-def exact_input(model: nn.Module, small: tuple[int, ...], given: tuple[int, ...], edge: int
+def exact_input(model: nn.Module, small: tuple[int, ...], given: tuple[int, ...]
                 ) -> tuple[tuple[int, ...] | None, str | None]:
     """The exactness check's input: ``small``, or the given size (batch 2) for a model that takes only some
     sizes (a Flatten before a Linear of fixed width) if that is at most ``EXACT_MAX_PIXELS``; else None and

@@ -22,6 +22,11 @@ from .ops.shards import UnsupportedOperation
 from .ops.support import conv_dims
 
 
+class InputRejected(ValueError):
+    """The model's own code rejected the input in the dry run (a shape or dtype it does not take), as opposed
+    to bigconv refusing an op (``UnsupportedOperation``): the same model may take another size."""
+
+
 class Planner:
     def __init__(self, model: nn.Module, grid: tuple[int, ...] | None, spatial_workers: int,
                  check_finite: bool) -> None:
@@ -70,7 +75,7 @@ class Planner:
         except (RuntimeError, TypeError, IndexError, NotImplementedError) as exc:
             # A model may cast its input itself, so a dtype mismatch is named only once the dry run failed.
             input_checks.check_dtype(x.dtype, input_checks.model_dtype(self.meta), sources=isinstance(x, SourceBatch))
-            raise ValueError(
+            raise InputRejected(
                 f"the model cannot run on an input of shape {tuple(x.shape)} and dtype {x.dtype} "
                 f"(found in a dry run, before any remote work) in {getattr(exc, 'bigconv_where', 'its forward')}: "
                 f"{type(exc).__name__}: {exc}"

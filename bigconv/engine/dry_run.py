@@ -143,8 +143,8 @@ def dry_run(meta: nn.Module, grid: tuple[int, ...], x_shape: tuple[int, ...], dt
     coords = list(all_coords(grid))
     # The shards take turns: a shard runs while it holds ``turn`` and lets it go only while it waits for a
     # message (a mailbox's wait releases its lock). As free threads they fought for the GIL, which every
-    # op's C++ call releases and retakes: 1.6 million futex calls and 7 s for 9 shards of ResNet-50, not
-    # 1.5 s when they take turns; the order of their work is the same messages either way.
+    # op's C++ call releases and retakes: 1.6 million futex calls and 7.4 s for 9 shards of ResNet-50, not
+    # 3.5 s when they take turns; the order of their work is the same messages either way.
     turn = threading.RLock()
     mailboxes = [Mailbox(turn) for _ in coords]
     spatial = tuple(x_shape[2:])

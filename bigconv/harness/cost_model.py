@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..engine.buckets import GradBuckets
 from ..geometry.boxes import all_coords, coord_of, index_of
+from ..planning import InputRejected
 from .devices import Device, Link
 from .shard_profile import ShardProfile, plain_profile, profile
 
@@ -107,13 +108,6 @@ class ProxyMismatch(ValueError):
 
 REAL_GRID_LIMIT = 16
 """Grids of at most this many shards are priced on themselves when the model cannot take the proxy's input."""
-
-
-def _cannot_take(exc: ValueError) -> bool:
-    """Whether the dry run failed because the model's own code rejected the input (``bigconv.planning`` wraps
-    such errors), not because bigconv refused an op."""
-    return isinstance(exc.__cause__, (RuntimeError, TypeError, IndexError, NotImplementedError)) and \
-        str(exc).startswith("the model cannot run on an input of shape")
 
 
 def proxy(shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -220,7 +214,7 @@ def estimate(profiler: Profiler, shape: tuple[int, ...], cluster: Cluster, grid:
     try:
         profiles = profiler((per_replica, shape[1], *proxy_shape), proxy_grid)
     except ValueError as exc:
-        if proxy_shape == spatial or not _cannot_take(exc):
+        if proxy_shape == spatial or not isinstance(exc, InputRejected):
             raise  # a refusal (an op that does not decompose) holds at every size
         # A model that takes only some input sizes (a Flatten before a Linear of fixed width) cannot run on
         # the proxy's smaller image: price the real grid itself where its dry run is affordable.
